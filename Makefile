@@ -1,0 +1,29 @@
+# `make test` and `make demo` bootstrap .venv on a fresh machine.
+# torch is installed first and pinned, so pip never resolves an unpinned torch (a multi-GB CUDA build).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test lint demo clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hf_hybrid_ep scripts tests benchmarks
+
+test: $(STAMP) lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_train.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

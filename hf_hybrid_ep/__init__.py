@@ -1,0 +1,30 @@
+"""hf_hybrid_ep: hybrid expert parallelism for Hugging Face MoE models.
+
+Dense weights are replicated and trained data-parallel on every rank; routed experts are sharded over
+expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
+"""
+
+from .config import HybridEPConfig, HybridEPConfigError
+from .dispatch import PlacementTable
+from .experts import find_experts_modules, is_fused_experts
+from .grads import clip_grad_norm_, no_sync
+from .mesh import HybridMesh, build_mesh
+from .parallelize import comm_stats, parallelize, reset_comm_stats, state_of
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HybridEPConfig",
+    "HybridEPConfigError",
+    "HybridMesh",
+    "PlacementTable",
+    "build_mesh",
+    "clip_grad_norm_",
+    "comm_stats",
+    "find_experts_modules",
+    "is_fused_experts",
+    "no_sync",
+    "parallelize",
+    "reset_comm_stats",
+    "state_of",
+]

@@ -1,0 +1,197 @@
+"""`HybridEPConfig`: the one validated description of a hybrid-EP layout.
+
+Every field has an environment twin (``HF_HYBRID_EP_<FIELD>``) that is read when the field is left
+at its default, in the style of accelerate's plugins. A config can also be read from a dict or a
+YAML file. Validation against a world size and a model happens in :meth:`HybridEPConfig.resolve`,
+before any process group or tensor is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "HF_HYBRID_EP_"
+
+DISPATCHER_BACKENDS = ("auto", "torch")
+PLACEMENTS = ("contiguous",)
+
+
+class HybridEPConfigError(ValueError):
+    """A hybrid-EP configuration that cannot work; the message names the offending values."""
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError as err:
+        raise HybridEPConfigError(f"{ENV_PREFIX}{name}={raw!r} is not an integer") from err
+
+
+def _env_bool(name: str) -> bool | None:
+    raw = os.environ.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return None
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise HybridEPConfigError(f"{ENV_PREFIX}{name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+@dataclass
+class HybridEPConfig:
+    """Layout and behaviour of hybrid expert parallelism.
+
+    Attributes:
+        dp_degree: data-parallel replicas of every expert (the EDP group size). ``None``: derived.
+        ep_degree: ranks an expert layer is sharded over (consecutive ranks). ``None``: the largest
+            divisor of the world size that also divides the expert count and fits in one node
+            (``LOCAL_WORLD_SIZE``).
+        dispatcher: token-exchange backend. ``"torch"`` (all_to_all_single; gloo and NCCL) or
+            ``"auto"`` (the best available; today ``"torch"``). A requested backend that is missing
+            is an error, never a silent fallback.
+        placement: ``"contiguous"`` (EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``), or an explicit
+            table: a list over EP ranks of the global expert ids each rank holds, e.g.
+            ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated.
+        check_finite: detect NaN/inf in router inputs and raise on every rank at once, naming the layer.
+            Costs one scalar all-reduce over the world per MoE layer and step.
+        reduce_dense_gradients: average dense gradients over the world after ``backward()``. Turn it off
+            when torch DDP (e.g. under Accelerate) already reduces the dense parameters.
+    """
+
+    dp_degree: int | None = None
+    ep_degree: int | None = None
+    dispatcher: str = "auto"
+    placement: str | list[list[int]] = "contiguous"
+    check_finite: bool = True
+    reduce_dense_gradients: bool = True
+    _env_applied: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self._env_applied:
+            self._apply_env()
+            self._env_applied = True
+        self._check_static()
+
+    # ------------------------------------------------------------------ construction
+    def _apply_env(self) -> None:
+        if self.dp_degree is None:
+            self.dp_degree = _env_int("DP_DEGREE")
+        if self.ep_degree is None:
+            self.ep_degree = _env_int("EP_DEGREE")
+        if self.dispatcher == "auto" and os.environ.get(ENV_PREFIX + "DISPATCHER"):
+            self.dispatcher = os.environ[ENV_PREFIX + "DISPATCHER"]
+        if self.placement == "contiguous" and os.environ.get(ENV_PREFIX + "PLACEMENT"):
+            self.placement = os.environ[ENV_PREFIX + "PLACEMENT"]
+        for name in ("check_finite", "reduce_dense_gradients"):
+            env = _env_bool(name.upper())
+            if env is not None and getattr(self, name) == HybridEPConfig.__dataclass_fields__[name].default:
+                setattr(self, name, env)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HybridEPConfig:
+        """Build from a mapping; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise HybridEPConfigError(
+                f"unknown HybridEPConfig key(s) {unknown}; known keys: {sorted(known)}"
+            )
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> HybridEPConfig:
+        """Read a YAML file holding a mapping of config keys (optionally under a ``hybrid_ep:`` key)."""
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise HybridEPConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, Mapping) and "hybrid_ep" in data:
+            data = data["hybrid_ep"]
+        if not isinstance(data, Mapping):
+            raise HybridEPConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+    # ------------------------------------------------------------------ validation
+    def _check_static(self) -> None:
+        for name in ("dp_degree", "ep_degree"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise HybridEPConfigError(f"{name}={value!r} must be a positive integer or None")
+        if self.dispatcher not in DISPATCHER_BACKENDS:
+            raise HybridEPConfigError(
+                f"dispatcher={self.dispatcher!r} is not available; choose one of {list(DISPATCHER_BACKENDS)}"
+            )
+        if isinstance(self.placement, str):
+            if self.placement not in PLACEMENTS:
+                raise HybridEPConfigError(
+                    f"placement={self.placement!r} is unknown; use one of {list(PLACEMENTS)} "
+                    "or an explicit table (a list over EP ranks of global expert ids)"
+                )
+        elif isinstance(self.placement, Sequence):
+            for row in self.placement:
+                if not isinstance(row, Sequence) or isinstance(row, str) or not all(
+                    isinstance(e, int) and not isinstance(e, bool) for e in row
+                ):
+                    raise HybridEPConfigError(
+                        f"placement table {self.placement!r} must be a list of lists of integer expert ids"
+                    )
+        else:
+            raise HybridEPConfigError(f"placement={self.placement!r} must be a name or a table")
+
+    def resolve(self, world_size: int, num_experts: int, local_world_size: int | None = None) -> tuple[int, int]:
+        """Return ``(dp_degree, ep_degree)`` for this world and expert count, or raise naming the values.
+
+        Args:
+            world_size: number of ranks ``W``.
+            num_experts: routed experts per MoE layer ``E``.
+            local_world_size: ranks per node; defaults to ``LOCAL_WORLD_SIZE`` or the world size.
+        """
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        dp, ep = self.dp_degree, self.ep_degree
+        if dp is None and ep is None:
+            if isinstance(self.placement, list):
+                ep = len(self.placement)
+            else:
+                ep = max(
+                    d
+                    for d in range(1, world_size + 1)
+                    if world_size % d == 0 and num_experts % d == 0 and local_world_size % d == 0
+                )
+        if ep is None:
+            if world_size % dp != 0:
+                raise HybridEPConfigError(f"dp_degree={dp} does not divide the world size {world_size}")
+            ep = world_size // dp
+        if dp is None:
+            if world_size % ep != 0:
+                raise HybridEPConfigError(f"ep_degree={ep} does not divide the world size {world_size}")
+            dp = world_size // ep
+        if dp * ep != world_size:
+            raise HybridEPConfigError(
+                f"dp_degree × ep_degree = {dp} × {ep} = {dp * ep} does not equal the world size {world_size}"
+            )
+        if isinstance(self.placement, list):
+            if len(self.placement) != ep:
+                raise HybridEPConfigError(
+                    f"placement table has {len(self.placement)} rows but ep_degree={ep}; give one row per EP rank"
+                )
+        elif num_experts % ep != 0:
+            raise HybridEPConfigError(
+                f"num_experts={num_experts} is not divisible by ep_degree={ep} under placement="
+                f"{self.placement!r}; pick an ep_degree that divides {num_experts} or give an explicit table"
+            )
+        return dp, ep

@@ -1,0 +1,110 @@
+"""The reference dispatcher: counts and tokens exchanged with ``all_to_all_single`` (gloo and NCCL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .alltoall import all_to_all
+from .stats import CommStats
+from .table import PlacementTable
+
+
+@dataclass
+class DispatchHandle:
+    """What :meth:`TorchDispatcher.combine` needs to undo a dispatch.
+
+    Attributes:
+        order: ``[T*k]`` permutation that sorted the sender's (token, k) pairs by (EP rank, slot).
+        send_splits / recv_splits: rows sent to / received from each EP rank in the dispatch.
+        num_tokens / top_k: the sender's ``T`` and ``k``.
+    """
+
+    order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+    top_k: int
+
+
+class TorchDispatcher:
+    """Token exchange within one EP group through a :class:`PlacementTable`.
+
+    ``dispatch`` sends every routed (token, k) pair to the EP rank holding its expert and returns
+    the rows this rank must compute, grouped by source rank and, within a source, by local slot.
+    ``combine`` sends the expert outputs back and forms ``sum_k w[t,k] * y[t,k]``.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self, table: PlacementTable, ep_rank: int, ep_group: dist.ProcessGroup | None, stats: CommStats
+    ) -> None:
+        self.table = table
+        self.ep_rank = ep_rank
+        self.ep_group = ep_group
+        self.stats = stats
+
+    def dispatch(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Send rows to their experts.
+
+        Args:
+            hidden: ``[T, H]`` token activations.
+            top_k_index: ``[T, k]`` global expert ids.
+
+        Returns:
+            ``(rows [M, H], local_slot [M] int64, handle)`` where ``M`` rows arrived for this rank's slots.
+        """
+        num_tokens, top_k = top_k_index.shape
+        ep, slots = self.table.ep_degree, self.table.slots_per_rank
+        dest_rank, dest_slot = self.table.route(top_k_index.reshape(-1).long(), self.ep_rank)
+        key = dest_rank * slots + dest_slot
+        key_sorted, order = torch.sort(key, stable=True)
+        send_counts = torch.bincount(key_sorted, minlength=ep * slots)
+        recv_counts = torch.empty_like(send_counts)
+        if self.ep_group is None:
+            recv_counts.copy_(send_counts)
+        else:
+            dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        splits = torch.cat([send_counts.view(ep, slots).sum(1), recv_counts.view(ep, slots).sum(1)]).tolist()
+        send_splits, recv_splits = splits[:ep], splits[ep:]
+        rows = all_to_all(
+            hidden[order // top_k],
+            send_splits,
+            recv_splits,
+            self.ep_group,
+            stats=self.stats,
+            phase="dispatch",
+            self_index=self.ep_rank,
+        )
+        slot_ids = torch.arange(slots, device=hidden.device).repeat(ep)
+        local_slot = torch.repeat_interleave(slot_ids, recv_counts)
+        return rows, local_slot, DispatchHandle(order, send_splits, recv_splits, num_tokens, top_k)
+
+    def combine(self, expert_out: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Return expert outputs to their tokens and weight them.
+
+        Args:
+            expert_out: ``[M, H]`` outputs, in the order ``dispatch`` returned the rows.
+            top_k_weights: ``[T, k]`` routing weights of the sender.
+
+        Returns:
+            ``[T, H]`` = ``sum_k top_k_weights[t, k] * y[t, k]`` (summed in k order, like transformers).
+        """
+        back = all_to_all(
+            expert_out,
+            handle.recv_splits,
+            handle.send_splits,
+            self.ep_group,
+            stats=self.stats,
+            phase="combine",
+            self_index=self.ep_rank,
+        )
+        inverse = torch.empty_like(handle.order)
+        inverse[handle.order] = torch.arange(handle.order.numel(), device=handle.order.device)
+        per_pair = back[inverse] * top_k_weights.reshape(-1, 1)
+        return per_pair.view(handle.num_tokens, handle.top_k, -1).sum(dim=1)

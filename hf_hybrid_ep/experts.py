@@ -1,0 +1,193 @@
+"""Find transformers' fused experts modules, read their layout, shard them, and run them expert-parallel.
+
+A fused experts module is recognised structurally: transformers' ``use_experts_implementation``
+decorator gives every instance the layout flags ``has_gate``, ``has_bias``, ``is_transposed``,
+``is_concatenated``, ``has_post_expert_norm`` and ``_is_expert_parallel``, and the module holds 3-D
+parameters whose leading dimension is ``num_experts``. No class names are listed anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import HybridEPConfigError
+from .dispatch import CommStats, PlacementTable, make_dispatcher
+from .mesh import HybridMesh
+
+LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How one fused experts module stores its weights (the decorator's flags).
+
+    Standard layout: ``gate_up_proj [E, 2I, H]`` (gate then up), ``down_proj [E, H, I]``. Transposed
+    (GPT-OSS): ``[E, H, 2I]`` / ``[E, I, H]``; not concatenated: gate and up interleaved along 2I.
+    """
+
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    is_concatenated: bool
+    has_post_expert_norm: bool
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ExpertsLayout:
+        return cls(**{flag: bool(getattr(module, flag)) for flag in LAYOUT_FLAGS})
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """True for an instance of a class decorated with transformers' ``use_experts_implementation``."""
+    return all(hasattr(module, flag) for flag in (*LAYOUT_FLAGS, "_is_expert_parallel"))
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """All fused experts modules of ``model``, as ``(qualified name, module)`` in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+
+
+def _undecorated_expert_like(model: nn.Module) -> list[str]:
+    """Class names of modules that look like experts but lack the decorator (for error messages)."""
+    found = set()
+    for m in model.modules():
+        if "expert" in type(m).__name__.lower() and any(p.dim() == 3 for p in m.parameters(recurse=False)):
+            found.add(type(m).__name__)
+    return sorted(found)
+
+
+def expert_parameter_names(name: str, module: nn.Module) -> list[str]:
+    """Names of the per-expert parameters of ``module`` (direct parameters with leading dim ``num_experts``).
+
+    Raises:
+        HybridEPConfigError: when the module cannot be sharded (no integer ``num_experts``, a missing or
+            non-3-D projection, a direct parameter or buffer without a leading expert dimension).
+    """
+    num_experts = getattr(module, "num_experts", None)
+    cls = type(module).__name__
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise HybridEPConfigError(f"cannot shard {name} ({cls}): it has no integer attribute num_experts")
+    layout = ExpertsLayout.of(module)
+    required = ["gate_up_proj" if layout.has_gate else "up_proj", "down_proj"]
+    params = dict(module.named_parameters(recurse=False))
+    for req in required:
+        p = params.get(req)
+        if p is None or p.dim() != 3 or p.shape[0] != num_experts:
+            shape = None if p is None else tuple(p.shape)
+            raise HybridEPConfigError(
+                f"cannot shard {name} ({cls}): expected a 3-D parameter {req!r} with leading dimension "
+                f"num_experts={num_experts}, found shape {shape}"
+            )
+    for pname, p in params.items():
+        if p.dim() == 0 or p.shape[0] != num_experts:
+            raise HybridEPConfigError(
+                f"cannot shard {name} ({cls}): parameter {pname!r} of shape {tuple(p.shape)} has no leading "
+                f"expert dimension (num_experts={num_experts})"
+            )
+    for bname, b in module.named_buffers(recurse=False):
+        if b is not None and b.dim() > 0 and b.shape[0] == num_experts:
+            raise HybridEPConfigError(
+                f"cannot shard {name} ({cls}): per-expert buffer {bname!r} (shape {tuple(b.shape)}) is not supported "
+                "(quantized experts are not supported; load the model in a floating dtype)"
+            )
+    return list(params)
+
+
+def check_shardable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Return the experts modules of ``model``, or raise before any work naming what is wrong."""
+    found = find_experts_modules(model)
+    if not found:
+        extra = _undecorated_expert_like(model)
+        hint = (
+            f" It has expert-like modules {extra}, but their classes are not decorated with transformers' "
+            "use_experts_implementation, so they cannot be sharded."
+            if extra
+            else ""
+        )
+        raise HybridEPConfigError(
+            f"{type(model).__name__} has no routed experts (no transformers fused experts module).{hint}"
+        )
+    for name, module in found:
+        expert_parameter_names(name, module)
+    return found
+
+
+class ExpertParallelLayer:
+    """The EP replacement of one fused experts module's forward.
+
+    Keeps this rank's experts as plain parameters (local slots in placement-table order) and runs
+    ``forward(hidden [T,H], top_k_index [T,k], top_k_weights [T,k]) -> [T,H]`` as:
+    dispatch → the module's own transformers experts implementation on the local slots with unit
+    weights (grouped_mm where it runs, a loop otherwise) → combine with the routing weights.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        table: PlacementTable,
+        mesh: HybridMesh,
+        dispatcher: str,
+        check_finite: bool,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.table = table
+        self.mesh = mesh
+        self.check_finite = check_finite
+        self.layout = ExpertsLayout.of(module)
+        self.num_experts = table.num_experts
+        self.local_experts = table.local_experts(mesh.ep_rank)
+        self.param_names = expert_parameter_names(name, module)
+        self.stats = CommStats()
+        self.dispatcher = make_dispatcher(dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats)
+        self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
+
+    def shard_(self) -> None:
+        """Replace each per-expert parameter by a fresh parameter holding only this rank's slots."""
+        index = torch.tensor(self.local_experts, dtype=torch.long)
+        for pname in self.param_names:
+            full = getattr(self.module, pname)
+            local = full.detach()[index.to(full.device)].clone()
+            setattr(self.module, pname, nn.Parameter(local, requires_grad=full.requires_grad))
+        self.module.num_experts = len(self.local_experts)
+        self.module.forward = self.forward
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [getattr(self.module, pname) for pname in self.param_names]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.check_finite:
+            self._agree_inputs_ok(hidden_states, top_k_index, top_k_weights)
+        rows, local_slot, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
+        unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        expert_out = self._local_forward(self.module, rows, local_slot.unsqueeze(1), unit)
+        return self.dispatcher.combine(expert_out, top_k_weights, handle).to(hidden_states.dtype)
+
+    def _agree_inputs_ok(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+        """Raise on every rank at once if any rank sees NaN/inf or an out-of-range expert id.
+
+        One all-reduce of ``W`` int32 flags over the world: bit 1 = non-finite router input or weight,
+        bit 2 = expert id outside ``[0, E)``. Nobody is left waiting in a later collective.
+        """
+        nonfinite = ~torch.isfinite(hidden).all() | ~torch.isfinite(weights).all()
+        bad_index = ((index < 0) | (index >= self.num_experts)).any()
+        flags = torch.zeros(self.mesh.world_size, dtype=torch.int32, device=hidden.device)
+        flags[self.mesh.rank] = nonfinite.int() + 2 * bad_index.int()
+        if self.mesh.world_group is not None:
+            dist.all_reduce(flags, group=self.mesh.world_group)
+        flags_list = flags.tolist()
+        if not any(flags_list):
+            return
+        nan_ranks = [r for r, f in enumerate(flags_list) if f & 1]
+        index_ranks = [r for r, f in enumerate(flags_list) if f & 2]
+        problems = []
+        if nan_ranks:
+            problems.append(f"non-finite values (NaN/inf) in the router input or routing weights on rank(s) {nan_ranks}")
+        if index_ranks:
+            problems.append(f"expert ids outside [0, {self.num_experts}) on rank(s) {index_ranks}")
+        raise FloatingPointError(f"hybrid-EP layer {self.name}: " + "; ".join(problems))
+

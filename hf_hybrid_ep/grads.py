@@ -1,0 +1,212 @@
+"""Gradient reduction for hybrid EP and the true global gradient norm.
+
+Convention (DESIGN.md): every gradient equals the reference gradient of one process training the
+full model on the global batch, when each rank's loss is the mean over its own (equal-sized) batch.
+
+* dense parameters: averaged over the world (the DDP convention);
+* an expert's gradient is a sum of contributions from every rank whose tokens reached it; it is
+  summed over the ranks holding that expert (its EDP group, plus EP replicas) and divided by ``W``.
+
+The reduction runs once at the end of ``loss.backward()`` (an autograd engine callback queued from a
+post-accumulate-grad hook), in one fixed order on every rank, so a plain PyTorch loop needs no extra
+call. Gradients that are ``None`` at that point are set to zeros, so the optimizer never skips a
+parameter on one rank and not on another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from .mesh import HybridMesh
+
+DENSE_BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass
+class ReducerStats:
+    """All-reduced payload, in bytes, summed over reductions (this rank's view)."""
+
+    reductions: int = 0
+    dense_bytes: int = 0
+    expert_bytes: int = 0
+
+    def reset(self) -> None:
+        self.reductions = self.dense_bytes = self.expert_bytes = 0
+
+
+@dataclass
+class ExpertBucket:
+    """Expert-slot gradients reduced together: all slots held by exactly the same set of ranks.
+
+    ``entries`` are ``(parameter, local slot indices)`` in (layer, global expert id) order, which every
+    member rank derives identically from the placement tables.
+    """
+
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+    entries: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+
+
+class GradientReducer:
+    """Reduces hybrid-EP gradients at the end of every backward pass unless disabled (``no_sync``)."""
+
+    def __init__(
+        self,
+        mesh: HybridMesh,
+        dense: list[nn.Parameter],
+        buckets: list[ExpertBucket],
+        expert_norm_weights: list[tuple[nn.Parameter, torch.Tensor]],
+        reduce_dense: bool = True,
+    ) -> None:
+        self.mesh = mesh
+        self.dense = dense
+        self.buckets = buckets
+        self.expert_norm_weights = expert_norm_weights
+        self.reduce_dense = reduce_dense
+        self.enabled = True
+        self.stats = ReducerStats()
+        self._queued = False
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for p in self.parameters()
+            if p.requires_grad
+        ]
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {id(p): p for p in self.dense}
+        for p, _ in self.expert_norm_weights:
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ reduction
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        if self.enabled and not self._queued and self.mesh.world_size > 1:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._reduce_all)
+
+    def _reduce_all(self) -> None:
+        self._queued = False
+        self.reduce()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Reduce all gradients now (called automatically at the end of ``backward``)."""
+        for p in self.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        world = self.mesh.world_size
+        if self.reduce_dense:
+            for bucket in _buckets_by_size([p for p in self.dense if p.requires_grad], DENSE_BUCKET_BYTES):
+                grads = [p.grad for p in bucket]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self.mesh.world_group)
+                flat.div_(world)
+                _unflatten_into(flat, grads)
+                self.stats.dense_bytes += flat.numel() * flat.element_size()
+        for bucket in self.buckets:
+            entries = [(p, idx) for p, idx in bucket.entries if p.requires_grad]
+            if not entries:
+                continue
+            flat = torch.cat([p.grad[idx].reshape(-1) for p, idx in entries])
+            if bucket.group is not None:
+                dist.all_reduce(flat, group=bucket.group)
+                self.stats.expert_bytes += flat.numel() * flat.element_size()
+            flat.div_(world)
+            offset = 0
+            for p, idx in entries:
+                rows = p.grad[idx]
+                p.grad[idx] = flat[offset : offset + rows.numel()].view_as(rows)
+                offset += rows.numel()
+        self.stats.reductions += 1
+
+    # ------------------------------------------------------------------ norm
+    @torch.no_grad()
+    def global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the full model's gradient (each expert counted once), identical on every rank."""
+        dense = [p.grad for p in self.dense if p.grad is not None]
+        if norm_type == math.inf:
+            local = [g.abs().max() for g in dense]
+            local += [p.grad.abs().amax() for p, _ in self.expert_norm_weights if p.grad is not None]
+            total = torch.stack(local).max() if local else torch.zeros(())
+            if self.mesh.world_group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
+            return total
+        dense_sum = sum((g.double().abs().pow(norm_type).sum() for g in dense), torch.zeros((), dtype=torch.float64))
+        expert_sum = torch.zeros((), dtype=torch.float64)
+        for p, weight in self.expert_norm_weights:
+            if p.grad is None:
+                continue
+            per_slot = p.grad.double().abs().pow(norm_type).reshape(p.shape[0], -1).sum(1)
+            expert_sum += (per_slot * weight.to(per_slot.device)).sum()
+        if self.mesh.world_group is not None:
+            dist.all_reduce(expert_sum, group=self.mesh.world_group)
+        return (dense_sum + expert_sum).pow(1.0 / norm_type).float()
+
+
+def _buckets_by_size(params: list[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
+    bucket: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def reducer_of(model: nn.Module) -> GradientReducer:
+    state = getattr(model, "_hybrid_ep", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.parallelize")
+    return state.reducer
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip gradient reduction inside the block (gradient-accumulation micro-steps); reduce on the next
+    ``backward`` outside it, exactly like ``DistributedDataParallel.no_sync``."""
+    reducer = reducer_of(model)
+    previous = reducer.enabled
+    reducer.enabled = False
+    try:
+        yield
+    finally:
+        reducer.enabled = previous
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip all gradients of a hybrid-EP model by their true global norm; return that norm.
+
+    Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the norm covers dense
+    parameters once and every expert once, whichever ranks hold it. Collective: call on every rank.
+    """
+    reducer = reducer_of(model)
+    total = reducer.global_grad_norm(norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in reducer.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total

@@ -1,0 +1,111 @@
+"""The DP×EP device mesh and its process groups.
+
+Rank ``g = dp_rank * ep_degree + ep_rank``. EP groups are the ``ep_degree`` consecutive ranks of one
+row (one node, NVLink); EDP (expert-data-parallel) groups are the strided columns ``{ep_rank + i*ep}``.
+Meshes are cached per ``(dp, ep, device type)`` so repeated ``parallelize`` calls in one process reuse
+their groups (creating a group is a collective over the whole world).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+_MESH_CACHE: dict[tuple[int, int, str], HybridMesh] = {}
+_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@dataclass(frozen=True)
+class HybridMesh:
+    """A validated DP×EP layout of the world and its process groups.
+
+    ``device_mesh`` and the groups are ``None`` for a world of one process with no process group.
+    """
+
+    dp_degree: int
+    ep_degree: int
+    rank: int
+    device_type: str
+    device_mesh: DeviceMesh | None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_degree * self.ep_degree
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.ep_degree
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return None if self.device_mesh is None else self.device_mesh.get_group("ep")
+
+    @property
+    def edp_group(self) -> dist.ProcessGroup | None:
+        return None if self.device_mesh is None else self.device_mesh.get_group("dp")
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        return None if self.device_mesh is None else dist.group.WORLD
+
+    def global_rank(self, dp_rank: int, ep_rank: int) -> int:
+        return dp_rank * self.ep_degree + ep_rank
+
+    def group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """A process group over ``ranks`` (sorted global ranks); ``None`` when it is this rank alone.
+
+        Every rank must ask for the same groups in the same order (group creation is a world
+        collective); :func:`hf_hybrid_ep.parallelize` does so from the placement table.
+        """
+        if len(ranks) == 1:
+            return None
+        edp = tuple(self.global_rank(d, self.ep_rank) for d in range(self.dp_degree))
+        if ranks == edp:
+            return self.edp_group
+        if len(ranks) == self.world_size:
+            return self.world_group
+        if ranks not in _GROUP_CACHE:
+            _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+        return _GROUP_CACHE[ranks]
+
+
+def default_device_type() -> str:
+    """``"cuda"`` when the default process group runs NCCL, else ``"cpu"`` (gloo)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return "cuda"
+    return "cpu"
+
+
+def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None) -> HybridMesh:
+    """Build (or reuse) the ``("dp", "ep")`` mesh for the current world.
+
+    Raises:
+        ValueError: if ``dp_degree * ep_degree`` differs from the world size.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    if dp_degree * ep_degree != world:
+        raise ValueError(
+            f"dp_degree × ep_degree = {dp_degree} × {ep_degree} does not equal the world size {world}"
+        )
+    device_type = device_type or default_device_type()
+    if not initialized:
+        return HybridMesh(1, 1, 0, device_type, None)
+    key = (dp_degree, ep_degree, device_type)
+    if key not in _MESH_CACHE:
+        mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("dp", "ep"))
+        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh)
+    return _MESH_CACHE[key]
+
+
+def current_device(mesh: HybridMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)

@@ -1,0 +1,155 @@
+"""``parallelize(model, config)``: turn a transformers MoE model into its hybrid-EP form, in place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import HybridEPConfig, HybridEPConfigError
+from .dispatch import PlacementTable, resolve_backend
+from .experts import ExpertParallelLayer, check_shardable
+from .grads import ExpertBucket, GradientReducer
+from .mesh import HybridMesh, build_mesh
+
+
+@dataclass
+class HybridEPState:
+    """What ``parallelize`` attaches to the model as ``model._hybrid_ep``."""
+
+    config: HybridEPConfig
+    mesh: HybridMesh
+    layers: list[ExpertParallelLayer]
+    reducer: GradientReducer
+
+    def expert_parameter_names(self, model: nn.Module) -> list[str]:
+        """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
+        ids = {id(p) for layer in self.layers for p in layer.expert_parameters()}
+        return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _table_for(config: HybridEPConfig, num_experts: int, ep_degree: int) -> PlacementTable:
+    if isinstance(config.placement, list):
+        return PlacementTable.from_rows(num_experts, config.placement)
+    return PlacementTable.contiguous(num_experts, ep_degree)
+
+
+def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh: HybridMesh) -> None:
+    """Refuse models or tables that differ between ranks (different seeds, different checkpoints)."""
+    if mesh.world_group is None:
+        return
+    with torch.no_grad():
+        sums = [p.detach().double().sum().item() for p in model.parameters()]
+    mine = ([t.fingerprint() for t in tables], sums)
+    gathered: list = [None] * mesh.world_size
+    dist.all_gather_object(gathered, mine)
+    names = [n for n, _ in model.named_parameters()]
+    for rank, (fps, other) in enumerate(gathered):
+        if fps != mine[0]:
+            raise HybridEPConfigError(f"rank {rank} uses a different placement table than rank {mesh.rank}")
+        for name, a, b in zip(names, other, sums, strict=True):
+            if not (a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b))):
+                raise HybridEPConfigError(
+                    f"parameter {name!r} differs between rank {rank} and rank {mesh.rank}: build the model "
+                    "identically on every rank (same seed or the same checkpoint) before parallelize"
+                )
+
+
+def _expert_buckets(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tuple[
+    list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
+]:
+    """Group expert-slot gradients by the exact set of world ranks holding them.
+
+    Every rank walks all layers and experts (global knowledge from the tables) so that process groups
+    are created in the same order everywhere; it keeps the entries for its own slots.
+    """
+    holders_of: dict[tuple[int, int], tuple[int, ...]] = {}
+    for li, layer in enumerate(layers):
+        for e in range(layer.num_experts):
+            ranks = sorted(mesh.global_rank(d, r) for d in range(mesh.dp_degree) for r in layer.table.holders(e))
+            holders_of[(li, e)] = tuple(ranks)
+    groups = {ranks: mesh.group_of(ranks) for ranks in sorted(set(holders_of.values()))}
+    buckets = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if mesh.rank in ranks}
+    norm_weights = []
+    for li, layer in enumerate(layers):
+        local = layer.local_experts
+        order = sorted(range(len(local)), key=lambda s: local[s])
+        weight = torch.tensor([1.0 / len(holders_of[(li, local[s])]) for s in range(len(local))], dtype=torch.float64)
+        for p in layer.expert_parameters():
+            norm_weights.append((p, weight))
+            by_ranks: dict[tuple[int, ...], list[int]] = {}
+            for s in order:
+                by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
+            for ranks, slots in by_ranks.items():
+                buckets[ranks].entries.append((p, torch.tensor(slots, dtype=torch.long, device=p.device)))
+    return [buckets[r] for r in sorted(buckets)], norm_weights
+
+
+def parallelize(model: nn.Module, config: HybridEPConfig | None = None) -> nn.Module:
+    """Shard the routed experts of a transformers MoE model over EP groups and return the same model.
+
+    The model must be built identically on every rank (same config and seed, or the same checkpoint)
+    and ``torch.distributed`` initialised (or a world of one). In place: dense weights stay replicated;
+    each fused experts module keeps only this rank's experts and runs through the all-to-all dispatcher;
+    gradient hooks give every gradient the single-process value after ``loss.backward()``. Create the
+    optimizer afterwards. Collective: call on every rank.
+
+    Raises:
+        HybridEPConfigError: before any work, for a layout that cannot work (naming the values), a model
+            with no routed experts, or an experts module that cannot be sharded.
+    """
+    if getattr(model, "_hybrid_ep", None) is not None:
+        raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
+    config = config or HybridEPConfig()
+    found = check_shardable(model)
+    world, _ = _world()
+    # One layout for all layers: resolved against the gcd of the layers' expert counts.
+    dp, ep = config.resolve(world, math.gcd(*(m.num_experts for _, m in found)))
+    resolve_backend(config.dispatcher)
+    tables = [_table_for(config, m.num_experts, ep) for _, m in found]
+    mesh = build_mesh(dp, ep)
+    _check_same_everywhere(model, tables, mesh)
+
+    layers = []
+    for (name, module), table in zip(found, tables, strict=True):
+        layer = ExpertParallelLayer(name, module, table, mesh, config.dispatcher, config.check_finite)
+        layer.shard_()
+        layers.append(layer)
+    expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    buckets, norm_weights = _expert_buckets(layers, mesh)
+    reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=config.reduce_dense_gradients)
+    model._hybrid_ep = HybridEPState(config, mesh, layers, reducer)
+    return model
+
+
+def state_of(model: nn.Module) -> HybridEPState:
+    state = getattr(model, "_hybrid_ep", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.parallelize")
+    return state
+
+
+def comm_stats(model: nn.Module) -> dict[str, dict]:
+    """Per-layer dispatcher counters and the reducer's all-reduced bytes (this rank, since last reset)."""
+    state = state_of(model)
+    out: dict[str, dict] = {layer.name: layer.stats.as_dict() for layer in state.layers}
+    r = state.reducer.stats
+    out["gradient_reduction"] = {"reductions": r.reductions, "dense_bytes": r.dense_bytes, "expert_bytes": r.expert_bytes}
+    return out
+
+
+def reset_comm_stats(model: nn.Module) -> None:
+    state = state_of(model)
+    for layer in state.layers:
+        layer.stats.reset()
+    state.reducer.stats.reset()
