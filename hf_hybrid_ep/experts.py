@@ -143,6 +143,8 @@ class ExpertParallelLayer:
         self.local_experts = table.local_experts(mesh.ep_rank)
         self.param_names = expert_parameter_names(name, module)
         self.stats = CommStats()
+        self.layer_id = 0  # position among the model's EP layers, set by parallelize
+        self.layer_names: dict[int, str] = {}
         self.dispatcher = make_dispatcher(dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats)
         self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
 
@@ -168,26 +170,35 @@ class ExpertParallelLayer:
         return self.dispatcher.combine(expert_out, top_k_weights, handle).to(hidden_states.dtype)
 
     def _agree_inputs_ok(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
-        """Raise on every rank at once if any rank sees NaN/inf or an out-of-range expert id.
+        """Raise on every rank at once if any rank sees bad inputs or runs a different layer.
 
-        One all-reduce of ``W`` int32 flags over the world: bit 1 = non-finite router input or weight,
-        bit 2 = expert id outside ``[0, E)``. Nobody is left waiting in a later collective.
+        One all-reduce of ``[2, W]`` int64 over the world. Row 0 holds flags (bit 1: NaN/inf in the router
+        input or routing weights, bit 2: an expert id outside ``[0, E)``); row 1 holds each rank's layer
+        id, which catches data-dependent control flow that would call different layers on different
+        ranks. Nobody is left waiting in a later collective.
         """
         nonfinite = ~torch.isfinite(hidden).all() | ~torch.isfinite(weights).all()
         bad_index = ((index < 0) | (index >= self.num_experts)).any()
-        flags = torch.zeros(self.mesh.world_size, dtype=torch.int32, device=hidden.device)
-        flags[self.mesh.rank] = nonfinite.int() + 2 * bad_index.int()
+        table = torch.zeros(2, self.mesh.world_size, dtype=torch.long, device=hidden.device)
+        table[0, self.mesh.rank] = nonfinite.long() + 2 * bad_index.long()
+        table[1, self.mesh.rank] = self.layer_id
         if self.mesh.world_group is not None:
-            dist.all_reduce(flags, group=self.mesh.world_group)
-        flags_list = flags.tolist()
-        if not any(flags_list):
-            return
-        nan_ranks = [r for r, f in enumerate(flags_list) if f & 1]
-        index_ranks = [r for r, f in enumerate(flags_list) if f & 2]
+            dist.all_reduce(table, group=self.mesh.world_group)
+        flags, layer_ids = table.tolist()
         problems = []
+        if len(set(layer_ids)) > 1:
+            problems.append(
+                "ranks reached different MoE layers at the same point ("
+                + ", ".join(f"rank {r}: {self.layer_names.get(i, i)}" for r, i in enumerate(layer_ids))
+                + "); the model's control flow depends on each rank's data (e.g. a modality-specific experts "
+                "module that runs only when the local batch holds that modality), which expert parallelism "
+                "cannot follow: give every rank the same mix"
+            )
+        nan_ranks = [r for r, f in enumerate(flags) if f & 1]
+        index_ranks = [r for r, f in enumerate(flags) if f & 2]
         if nan_ranks:
             problems.append(f"non-finite values (NaN/inf) in the router input or routing weights on rank(s) {nan_ranks}")
         if index_ranks:
             problems.append(f"expert ids outside [0, {self.num_experts}) on rank(s) {index_ranks}")
-        raise FloatingPointError(f"hybrid-EP layer {self.name}: " + "; ".join(problems))
-
+        if problems:
+            raise FloatingPointError(f"hybrid-EP layer {self.name}: " + "; ".join(problems))

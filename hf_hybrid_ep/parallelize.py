@@ -124,6 +124,9 @@ def parallelize(model: nn.Module, config: HybridEPConfig | None = None) -> nn.Mo
         layer = ExpertParallelLayer(name, module, table, mesh, config.dispatcher, config.check_finite)
         layer.shard_()
         layers.append(layer)
+    names = {i: layer.name for i, layer in enumerate(layers)}
+    for i, layer in enumerate(layers):
+        layer.layer_id, layer.layer_names = i, names
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     buckets, norm_weights = _expert_buckets(layers, mesh)

@@ -1,0 +1,36 @@
+"""Shared fixtures: one pool of gloo worker processes per world size, reused by every test."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from worker_pool import WorkerPool  # noqa: E402
+
+
+class _Pools:
+    def __init__(self) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world_size: int) -> WorkerPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = WorkerPool(world_size)
+            self._pools[world_size] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(W)`` → a live :class:`WorkerPool` of ``W`` ranks (created once per session)."""
+    p = _Pools()
+    yield p
+    p.close()

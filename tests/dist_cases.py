@@ -1,0 +1,262 @@
+"""Functions that run on every rank of a :class:`worker_pool.WorkerPool` (one gloo process group).
+
+Each builds a tiny real transformers model identically on every rank, keeps an unsharded copy as
+the single-process reference (trained on the global batch), parallelizes the other copy and returns
+plain numbers for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+from tiny_models import SkipModel, build_tiny_model, tiny_inputs
+
+import hf_hybrid_ep as hep
+
+BATCH_PER_RANK = 2
+SEQ = 8
+# Per-tensor tolerance of the parity tests (fp32): ‖a − b‖ / ‖b‖.
+REL_TOL = 1e-5
+# Adam's default eps=1e-8 turns gradient elements of ~1e-8 into sign-like steps. Such elements are sums
+# of cancelling contributions (fp32 round-off ~1e-9), or whole tensors whose true gradient is identically
+# zero (k_proj.bias under softmax shift invariance): their updates are then set by round-off alone, and
+# two correct fp32 computations that only sum in another order differ by >1e-5 per tensor after a few
+# steps (measured on a Mixtral embedding row: g = 1.539e-8 vs 1.447e-8 gave updates -3.881e-4 vs
+# -3.765e-4). eps=1e-6 keeps Adam well-conditioned, so the comparison measures the engine.
+ADAM_EPS = 1e-6
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ (0 when both are zero)."""
+    num = (a.double() - b.double()).norm().item()
+    den = b.double().norm().item()
+    return num / den if den > 0 else num
+
+
+def _global_inputs(model, world: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return tiny_inputs(model, BATCH_PER_RANK * world, SEQ, g)
+
+
+def _rank_slice(inputs: dict, rank: int) -> dict:
+    lo, hi = rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK
+    return {k: (v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in inputs.items()}
+
+
+def _local_view(model, tensor_of_ref, p):
+    state = hep.state_of(model)
+    for layer in state.layers:
+        if any(p is q for q in layer.expert_parameters()):
+            return tensor_of_ref[layer.local_experts]
+    return tensor_of_ref
+
+
+def _compare_params(model, ref, ref64=None) -> dict:
+    """Per-tensor relative differences between this rank's parameters and the fp32 reference's.
+
+    With an fp64 reference, a tensor further than ``REL_TOL`` from the fp32 reference still counts as
+    equal when the hybrid result is at least as close to the fp64 result as the fp32 reference is
+    (Adam normalises every element, so a zero-initialised bias is made only of updates whose fp32
+    round-off differs between two correct summation orders).
+    """
+    ref_params = dict(ref.named_parameters())
+    ref64_params = dict(ref64.named_parameters()) if ref64 is not None else {}
+    worst, worst_name, violations, floor_cases = 0.0, "", [], []
+    for name, p in model.named_parameters():
+        r = _local_view(model, ref_params[name].detach(), p)
+        rel = _rel(p.detach(), r)
+        if rel > worst:
+            worst, worst_name = rel, name
+        if rel <= REL_TOL:
+            continue
+        if name in ref64_params:
+            r64 = _local_view(model, ref64_params[name].detach(), p)
+            hybrid_err, ref_err = _rel(p.detach().double(), r64), _rel(r.double(), r64)
+            if hybrid_err <= max(REL_TOL, ref_err):
+                floor_cases.append((name, rel, hybrid_err, ref_err))
+                continue
+        violations.append((name, rel))
+    return {"max_param_rel": worst, "worst_param": worst_name, "violations": violations, "floor_cases": floor_cases}
+
+
+def _build(model_type: str, num_experts: int, top_k: int = 2):
+    torch.manual_seed(0)
+    model = build_tiny_model(model_type, num_experts=num_experts, top_k=top_k)
+    model.train()
+    return model, copy.deepcopy(model)
+
+
+def train_parity(
+    model_type: str,
+    dp: int,
+    ep: int,
+    num_experts: int,
+    steps: int = 3,
+    accum: int = 2,
+    max_norm: float = 0.5,
+    placement: list[list[int]] | None = None,
+    lr: float = 1e-3,
+) -> dict:
+    """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
+
+    The reference trains the unsharded model on the global batch in fp32; an fp64 copy (experts via
+    ``batched_mm``, as ``grouped_mm`` has no fp64 kernel) measures the round-off floor of that reference.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    ref64 = copy.deepcopy(ref).double()
+    ref64.set_experts_implementation("batched_mm")
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous")
+    hep.parallelize(model, config)
+    models = (model, ref, ref64)
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in models]
+    ref_grads = dict(ref.named_parameters())
+    loss_diffs, norm_diffs, norms, grad_diffs = [], [], [], []
+    for step in range(steps):
+        for micro in range(accum):
+            batch = _global_inputs(ref, world, seed=1000 * step + micro)
+            sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
+            with sync:
+                loss = model(**_rank_slice(batch, rank)).loss
+                (loss / accum).backward()
+            ref_loss = ref(**batch).loss
+            (ref_loss / accum).backward()
+            (ref64(**batch).loss / accum).backward()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        if step == 0:
+            grad_diffs = [
+                _rel(p.grad, _local_view(model, ref_grads[n].grad, p))
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            ]
+            frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        norm = hep.clip_grad_norm_(model, max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        torch.nn.utils.clip_grad_norm_(ref64.parameters(), max_norm)
+        norms.append(ref_norm.item())
+        norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {
+        "max_loss_rel": max(loss_diffs),
+        "max_norm_rel": max(norm_diffs),
+        "max_grad_rel_step0": max(grad_diffs),
+        "clipped": any(n > max_norm for n in norms),
+        "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
+        "frozen_with_grad": frozen_with_grad,
+        **_compare_params(model, ref, ref64),
+    }
+
+
+def forward_parity(model_type: str, num_experts: int = 4) -> dict:
+    """One forward pass of a parallelized model vs the reference on the global batch (ep = world)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        model, ref = _build(model_type, num_experts)
+    except SkipModel as err:
+        return {"skipped": str(err)}
+    model.eval()
+    ref.eval()
+    batch = tiny_inputs(ref, BATCH_PER_RANK * world, SEQ, torch.Generator().manual_seed(7), exercise_all_experts=True)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    with torch.no_grad():
+        out = model(**_rank_slice(batch, rank))
+        ref_out = ref(**batch)
+    key = "logits" if getattr(out, "logits", None) is not None else "last_hidden_state"
+    lo, hi = rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK
+    got, want = getattr(out, key), getattr(ref_out, key)[lo:hi]
+    stats = hep.comm_stats(model)
+    remote = sum(v["dispatch"]["remote_rows_sent"] for k, v in stats.items() if k != "gradient_reduction")
+    return {"rel": _rel(got, want), "layers": len(hep.state_of(model).layers), "remote_rows": remote}
+
+
+def parameter_bytes(model_type: str, dp: int, ep: int, num_experts: int) -> dict:
+    """Bytes of parameters held by this rank, split into dense and expert parts, vs the full model."""
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    expert_ids = {id(p) for layer in hep.state_of(model).layers for p in layer.expert_parameters()}
+    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    full_expert_names = set(hep.state_of(model).expert_parameter_names(model))
+    return {
+        "held": nbytes(model.parameters()),
+        "dense": nbytes(p for p in model.parameters() if id(p) not in expert_ids),
+        "full_dense": nbytes(p for n, p in ref.named_parameters() if n not in full_expert_names),
+        "full_experts": nbytes(p for n, p in ref.named_parameters() if n in full_expert_names),
+    }
+
+
+def one_hot_expert_training(model_type: str, ep: int, num_experts: int) -> dict:
+    """top-1 routing with a zeroed router: every token goes to one expert, the other ranks receive nothing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_tiny_model(model_type, num_experts=num_experts, top_k=1)
+    for name, p in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")):
+            p.data.zero_()
+    model.train()
+    ref = copy.deepcopy(model)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=ADAM_EPS)
+    received, none_grads, zero_slots = 0, 0, 0
+    for step in range(2):
+        batch = _global_inputs(ref, world, seed=step)
+        model(**_rank_slice(batch, rank)).loss.backward()
+        ref(**batch).loss.backward()
+        state = hep.state_of(model)
+        received += sum(layer.stats.phases["dispatch"].rows_received for layer in state.layers)
+        for layer in state.layers:
+            for p in layer.expert_parameters():
+                none_grads += p.grad is None
+                if p.grad is not None:
+                    zero_slots += int((p.grad.reshape(p.shape[0], -1).abs().sum(1) == 0).sum())
+        hep.clip_grad_norm_(model, 1.0)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        hep.reset_comm_stats(model)
+    return {"rows_received": received, "none_grads": none_grads, "zero_slots": zero_slots,
+            **_compare_params(model, ref)}
+
+
+def nan_in_router_input(model_type: str, bad_rank: int) -> dict:
+    """Inject NaN into one rank's embeddings; every rank must raise naming the layer and the rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = _build(model_type, 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    batch = _rank_slice(_global_inputs(model, world, seed=3), rank)
+    embeds = model.get_input_embeddings()(batch.pop("input_ids")).detach()
+    if rank == bad_rank:
+        embeds[0, 1, 3] = math.nan
+    try:
+        model(inputs_embeds=embeds, **batch)
+    except FloatingPointError as err:
+        message = str(err)
+    else:
+        message = ""
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # the group is still usable: nobody was left inside a collective
+    return {"message": message, "alive": flag.item() == world}
+
+
+def bad_layout_refused(model_type: str, num_experts: int, ep: int) -> dict:
+    """parallelize must refuse before touching the model when num_experts % ep != 0."""
+    model, _ = _build(model_type, num_experts)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    try:
+        hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
+    except hep.HybridEPConfigError as err:
+        message = str(err)
+    else:
+        message = ""
+    untouched = shapes == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {"message": message, "untouched": untouched and getattr(model, "_hybrid_ep", None) is None}
