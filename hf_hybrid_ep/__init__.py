@@ -9,7 +9,7 @@ from .dispatch import PlacementTable
 from .experts import find_experts_modules, is_fused_experts
 from .grads import clip_grad_norm_, no_sync
 from .mesh import HybridMesh, build_mesh
-from .parallelize import comm_stats, parallelize, reset_comm_stats, state_of
+from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, state_of
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "clip_grad_norm_",
     "comm_stats",
     "find_experts_modules",
+    "full_state_dict",
     "is_fused_experts",
     "no_sync",
     "parallelize",

@@ -18,6 +18,9 @@ from .config import HybridEPConfigError
 from .dispatch import CommStats, PlacementTable, make_dispatcher
 from .mesh import HybridMesh
 
+# torch 2.13 renamed all_gather_into_tensor (same signature) and deprecates the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 
 
@@ -157,6 +160,27 @@ class ExpertParallelLayer:
             setattr(self.module, pname, nn.Parameter(local, requires_grad=full.requires_grad))
         self.module.num_experts = len(self.local_experts)
         self.module.forward = self.forward
+
+    @torch.no_grad()
+    def gather_full(self, pname: str) -> torch.Tensor:
+        """The unsharded ``[E, ...]`` tensor of parameter ``pname``, assembled over the EP group.
+
+        Collective over the EP group (every EP group holds every expert; replicas are identical).
+        """
+        local = getattr(self.module, pname).detach()
+        ep, slots = self.table.ep_degree, self.table.slots_per_rank
+        padded = local.new_zeros((slots, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        gathered = local.new_empty((ep * slots, *local.shape[1:]))
+        if self.mesh.ep_group is None:
+            gathered.copy_(padded)
+        else:
+            _all_gather_single(gathered, padded, group=self.mesh.ep_group)
+        gathered = gathered.view(ep, slots, *local.shape[1:])
+        full = local.new_empty((self.num_experts, *local.shape[1:]))
+        for rank, row in enumerate(self.table.rows):
+            full[list(row)] = gathered[rank, : len(row)]
+        return full
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [getattr(self.module, pname) for pname in self.param_names]

@@ -132,7 +132,43 @@ def parallelize(model: nn.Module, config: HybridEPConfig | None = None) -> nn.Mo
     buckets, norm_weights = _expert_buckets(layers, mesh)
     reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=config.reduce_dense_gradients)
     model._hybrid_ep = HybridEPState(config, mesh, layers, reducer)
+    _wrap_save_pretrained(model)
     return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the unsharded model (every expert, global ids), on every rank.
+
+    Collective over each EP group: call on every rank.
+    """
+    state = state_of(model)
+    full = model.state_dict()
+    for layer in state.layers:
+        for pname in layer.param_names:
+            full[f"{layer.name}.{pname}"] = layer.gather_full(pname)
+    return full
+
+
+def _wrap_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` write the full model (a vanilla transformers checkpoint).
+
+    The experts are gathered over the EP group, so every rank must call it, like
+    ``accelerator.get_state_dict``; transformers then writes on rank 0 only.
+    """
+    original = getattr(model, "save_pretrained", None)
+    if original is None:
+        return
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        result = original(
+            save_directory, *args, state_dict=full_state_dict(model) if state_dict is None else state_dict, **kwargs
+        )
+        if state_of(model).mesh.world_group is not None:
+            dist.barrier()
+        return result
+
+    save_pretrained.__doc__ = (original.__doc__ or "") + "\n\n(hf_hybrid_ep: collective; gathers the experts.)"
+    model.save_pretrained = save_pretrained
 
 
 def state_of(model: nn.Module) -> HybridEPState:

@@ -260,3 +260,75 @@ def bad_layout_refused(model_type: str, num_experts: int, ep: int) -> dict:
         message = ""
     untouched = shapes == {n: tuple(p.shape) for n, p in model.named_parameters()}
     return {"message": message, "untouched": untouched and getattr(model, "_hybrid_ep", None) is None}
+
+
+def save_generate_reload(model_type: str, dp: int, ep: int, num_experts: int, directory: str) -> dict:
+    """After a training step: generate matches the reference, and save_pretrained writes a full vanilla
+    checkpoint whose logits match the trained hybrid model."""
+    from transformers import AutoModelForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    batch = _global_inputs(ref, world, seed=5)
+    for m, inputs in ((model, _rank_slice(batch, rank)), (ref, batch)):
+        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
+        m(**inputs).loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    model.eval()
+    ref.eval()
+    prompt = _rank_slice(batch, rank)["input_ids"][:, :4]
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    generated = model.generate(prompt, **kw)
+    want = ref.generate(prompt, **kw)
+    model.save_pretrained(directory)
+    reloaded = AutoModelForCausalLM.from_pretrained(directory)
+    reloaded.eval()
+    with torch.no_grad():
+        local = _rank_slice(batch, rank)
+        got = reloaded(input_ids=local["input_ids"]).logits
+        hybrid = model(input_ids=local["input_ids"]).logits
+    return {
+        "generate_equal": bool(torch.equal(generated, want)),
+        "reload_rel": _rel(got, hybrid),
+        "config_experts": model.config.num_local_experts if hasattr(model.config, "num_local_experts") else None,
+    }
+
+
+def ddp_composition(model_type: str, dp: int, ep: int, num_experts: int) -> dict:
+    """torch DDP reduces the dense weights (experts on its ignore list), the engine only the experts."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, reduce_dense_gradients=False))
+    DDP._set_params_and_buffers_to_ignore_for_model(model, hep.state_of(model).expert_parameter_names(model))
+    wrapped = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=ADAM_EPS)
+    for step in range(2):
+        batch = _global_inputs(ref, world, seed=step)
+        wrapped(**_rank_slice(batch, rank)).loss.backward()
+        ref(**batch).loss.backward()
+        hep.clip_grad_norm_(model, 0.5)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    stats = hep.comm_stats(model)["gradient_reduction"]
+    return {**_compare_params(model, ref), "dense_bytes": stats["dense_bytes"]}
+
+
+def modality_mismatch(model_type: str) -> dict:
+    """ERNIE-4.5-VL runs its vision experts only when the local batch has vision tokens: ranks that disagree
+    must get a clear error on every rank, not a hang."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_tiny_model(model_type, num_experts=4, num_layers=3)  # a dense layer, then two MoE layers
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    batch = tiny_inputs(model, BATCH_PER_RANK, SEQ, torch.Generator().manual_seed(rank), exercise_all_experts=rank == 0)
+    try:
+        model(**batch)
+    except FloatingPointError as err:
+        return {"message": str(err)}
+    return {"message": ""}

@@ -87,3 +87,23 @@ def test_layout_not_dividing_experts_is_refused_before_work(pools):
     for r in pools(2).run(cases.bad_layout_refused, "mixtral", 3, 2):
         assert "num_experts=3 is not divisible by ep_degree=2" in r["message"], r
         assert r["untouched"]
+
+
+def test_generate_and_save_pretrained_keep_working(pools, tmp_path):
+    results = pools(4).run(cases.save_generate_reload, "mixtral", 2, 2, 4, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["generate_equal"]
+        assert r["reload_rel"] <= cases.REL_TOL, r
+        assert r["config_experts"] == 4  # .config still describes the full model
+
+
+def test_composes_with_torch_ddp(pools):
+    # The Accelerate path: DDP reduces dense weights, the engine's hooks reduce only the experts.
+    for r in pools(4).run(cases.ddp_composition, "qwen3_moe", 2, 2, 4):
+        assert r["violations"] == [], r
+        assert r["dense_bytes"] == 0
+
+
+def test_rank_dependent_control_flow_is_reported_not_hung(pools):
+    for r in pools(2).run(cases.modality_mismatch, "ernie4_5_vl_moe"):
+        assert "ranks reached different MoE layers" in r["message"], r
