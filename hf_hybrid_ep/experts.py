@@ -189,7 +189,7 @@ class ExpertParallelLayer:
         if self.check_finite:
             self._agree_inputs_ok(hidden_states, top_k_index, top_k_weights)
         rows, local_slot, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
-        unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         expert_out = self._local_forward(self.module, rows, local_slot.unsqueeze(1), unit)
         return self.dispatcher.combine(expert_out, top_k_weights, handle).to(hidden_states.dtype)
 

@@ -48,7 +48,7 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
     if mesh.world_group is None:
         return
     with torch.no_grad():
-        sums = [p.detach().double().sum().item() for p in model.parameters()]
+        sums = [p.detach().sum(dtype=torch.float64).item() for p in model.parameters()]
     mine = ([t.fingerprint() for t in tables], sums)
     gathered: list = [None] * mesh.world_size
     dist.all_gather_object(gathered, mine)

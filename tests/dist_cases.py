@@ -100,6 +100,7 @@ def train_parity(
     max_norm: float = 0.5,
     placement: list[list[int]] | None = None,
     lr: float = 1e-3,
+    gradient_checkpointing: bool = False,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -112,6 +113,8 @@ def train_parity(
     ref64.set_experts_implementation("batched_mm")
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous")
     hep.parallelize(model, config)
+    if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
+        model.gradient_checkpointing_enable()
     models = (model, ref, ref64)
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in models]
     ref_grads = dict(ref.named_parameters())
@@ -155,13 +158,15 @@ def train_parity(
     }
 
 
-def forward_parity(model_type: str, num_experts: int = 4) -> dict:
+def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = torch.float32) -> dict:
     """One forward pass of a parallelized model vs the reference on the global batch (ep = world)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         model, ref = _build(model_type, num_experts)
     except SkipModel as err:
         return {"skipped": str(err)}
+    model.to(dtype)
+    ref.to(dtype)
     model.eval()
     ref.eval()
     batch = tiny_inputs(ref, BATCH_PER_RANK * world, SEQ, torch.Generator().manual_seed(7), exercise_all_experts=True)

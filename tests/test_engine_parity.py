@@ -107,3 +107,17 @@ def test_composes_with_torch_ddp(pools):
 def test_rank_dependent_control_flow_is_reported_not_hung(pools):
     for r in pools(2).run(cases.modality_mismatch, "ernie4_5_vl_moe"):
         assert "ranks reached different MoE layers" in r["message"], r
+
+
+def test_gradient_checkpointing_recomputes_the_exchange(pools):
+    _assert_faithful(pools(2).run(cases.train_parity, "mixtral", 1, 2, 4, gradient_checkpointing=True))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_bf16_forward(pools, family):
+    # DeepSeek-V3 and GPT-OSS pass fp32 routing weights with bf16 hidden states; the combine must
+    # weight and sum in the same dtypes as transformers. One bf16 ulp is 2**-8 ≈ 3.9e-3.
+    import torch
+
+    for r in pools(2).run(cases.forward_parity, family, 4, torch.bfloat16):
+        assert r["rel"] <= 4e-3, r
