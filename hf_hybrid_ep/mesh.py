@@ -2,7 +2,7 @@
 
 Rank ``g = dp_rank * ep_degree + ep_rank``. EP groups are the ``ep_degree`` consecutive ranks of one
 row (one node, NVLink); EDP (expert-data-parallel) groups are the strided columns ``{ep_rank + i*ep}``.
-Meshes are cached per ``(dp, ep, device type)`` so repeated ``parallelize`` calls in one process reuse
+Meshes are cached per ``(dp, ep, device type, world group)`` so repeated ``parallelize`` calls in one process reuse
 their groups (creating a group is a collective over the whole world).
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-_MESH_CACHE: dict[tuple[int, int, str], HybridMesh] = {}
+_MESH_CACHE: dict[tuple[int, int, str, int], HybridMesh] = {}
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
@@ -71,9 +71,10 @@ class HybridMesh:
             return self.edp_group
         if len(ranks) == self.world_size:
             return self.world_group
-        if ranks not in _GROUP_CACHE:
-            _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
-        return _GROUP_CACHE[ranks]
+        key = (id(dist.group.WORLD), *ranks)
+        if key not in _GROUP_CACHE:
+            _GROUP_CACHE[key] = dist.new_group(list(ranks))
+        return _GROUP_CACHE[key]
 
 
 def default_device_type() -> str:
@@ -98,7 +99,7 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None) -
     device_type = device_type or default_device_type()
     if not initialized:
         return HybridMesh(1, 1, 0, device_type, None)
-    key = (dp_degree, ep_degree, device_type)
+    key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD))  # a new world gets new groups
     if key not in _MESH_CACHE:
         mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("dp", "ep"))
         _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh)
