@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from .mesh import HybridMesh
+from .mesh import HybridMesh, current_device
 
 DENSE_BUCKET_BYTES = 64 * 2**20
 
@@ -136,21 +136,24 @@ class GradientReducer:
     @torch.no_grad()
     def global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the full model's gradient (each expert counted once), identical on every rank."""
+        device = current_device(self.mesh)  # NCCL reduces device tensors only
         dense = [p.grad for p in self.dense if p.grad is not None]
         if norm_type == math.inf:
-            local = [g.abs().max() for g in dense]
-            local += [p.grad.abs().amax() for p, _ in self.expert_norm_weights if p.grad is not None]
-            total = torch.stack(local).max() if local else torch.zeros(())
+            local = [g.abs().max().float().to(device) for g in dense]
+            local += [p.grad.abs().amax().float().to(device) for p, _ in self.expert_norm_weights if p.grad is not None]
+            total = torch.stack(local).max() if local else torch.zeros((), device=device)
             if self.mesh.world_group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
             return total
-        dense_sum = sum((g.double().abs().pow(norm_type).sum() for g in dense), torch.zeros((), dtype=torch.float64))
-        expert_sum = torch.zeros((), dtype=torch.float64)
+        dense_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for g in dense:
+            dense_sum += g.double().abs().pow(norm_type).sum().to(device)
+        expert_sum = torch.zeros((), dtype=torch.float64, device=device)
         for p, weight in self.expert_norm_weights:
             if p.grad is None:
                 continue
             per_slot = p.grad.double().abs().pow(norm_type).reshape(p.shape[0], -1).sum(1)
-            expert_sum += (per_slot * weight.to(per_slot.device)).sum()
+            expert_sum += (per_slot * weight.to(per_slot.device)).sum().to(device)
         if self.mesh.world_group is not None:
             dist.all_reduce(expert_sum, group=self.mesh.world_group)
         return (dense_sum + expert_sum).pow(1.0 / norm_type).float()

@@ -337,3 +337,16 @@ def modality_mismatch(model_type: str) -> dict:
     except FloatingPointError as err:
         return {"message": str(err)}
     return {"message": ""}
+
+
+def inf_norm(model_type: str, ep: int, num_experts: int) -> dict:
+    """clip_grad_norm_ with norm_type=inf equals torch's on the unsharded model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
+    batch = _global_inputs(ref, world, seed=11)
+    model(**_rank_slice(batch, rank)).loss.backward()
+    ref(**batch).loss.backward()
+    got = hep.clip_grad_norm_(model, 1e-3, norm_type=math.inf)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=math.inf)
+    return {"rel": abs(got.item() - want.item()) / want.item()}

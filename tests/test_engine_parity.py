@@ -121,3 +121,8 @@ def test_bf16_forward(pools, family):
 
     for r in pools(2).run(cases.forward_parity, family, 4, torch.bfloat16):
         assert r["rel"] <= 4e-3, r
+
+
+def test_inf_norm_clipping(pools):
+    for r in pools(2).run(cases.inf_norm, "olmoe", 2, 4):
+        assert r["rel"] <= cases.REL_TOL, r
