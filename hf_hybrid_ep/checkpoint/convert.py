@@ -1,0 +1,247 @@
+"""Streaming checkpoint rewriting: convert (Hub or local → hybrid EP), reshard and export.
+
+All three are one operation: read a safetensors checkpoint tensor by tensor and write it to a new
+layout. Peak memory is one tensor plus the writers' buffers, never the model. Output goes to a hidden
+temporary sibling of OUT that is renamed into place only when complete and checksummed; on any
+error it is removed and OUT is left untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ..dispatch import PlacementTable
+from .format import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    FileInfo,
+    HybridEPMetadata,
+    dense_file,
+    fused_file,
+    rank_file,
+    read_index,
+    verify_checksums,
+    write_index,
+)
+from .layout import classify_keys, model_experts
+from .safetensors_io import CheckpointError, StreamingSafetensorsWriter, TensorSpec, sha256_file
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _cast(spec: TensorSpec, dtype: torch.dtype | None) -> TensorSpec:
+    if dtype is None or not spec.dtype.is_floating_point:
+        return spec
+    return TensorSpec(spec.name, dtype, spec.shape)
+
+
+def _pack_by_size(specs: list[TensorSpec], cap: int) -> list[list[TensorSpec]]:
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if groups[-1] and size + spec.nbytes > cap:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += spec.nbytes
+    return [g for g in groups if g]
+
+
+def resolve_source(src: str | os.PathLike[str], revision: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """A local checkpoint directory, or a Hub repo id downloaded with only the files conversion needs."""
+    path = Path(src)
+    if path.is_dir():
+        return path, {"path": str(path.resolve())}
+    if not _REPO_ID.match(str(src)):
+        raise CheckpointError(f"{str(src)!r} is neither a checkpoint directory nor a Hub repo id")
+    import json
+
+    from huggingface_hub import HfApi, hf_hub_download
+
+    info = HfApi().model_info(str(src), revision=revision, files_metadata=False)
+    files = [s.rfilename for s in (info.siblings or [])]
+    wanted = [f for f in files if "/" not in f and not f.endswith(_WEIGHT_SUFFIXES) and f != INDEX_NAME]
+    if INDEX_NAME in files:
+        index_path = hf_hub_download(str(src), INDEX_NAME, revision=info.sha)
+        shards = sorted(set(json.loads(Path(index_path).read_text())["weight_map"].values()))
+    elif SINGLE_NAME in files:
+        shards = [SINGLE_NAME]
+    else:
+        raise CheckpointError(f"Hub repo {src!r} has no safetensors weights ({INDEX_NAME} or {SINGLE_NAME})")
+    local = None
+    for name in tqdm(wanted + shards, desc=f"download {src}", unit="file"):
+        local = Path(hf_hub_download(str(src), name, revision=info.sha)).parent
+    return local, {"repo_id": str(src), "revision": info.sha}
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.startswith(".") and f.name != INDEX_NAME and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, dst / f.name)
+
+
+def _prepare_out(out: Path) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"output {str(out)!r} already exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _rewrite(
+    src_dir: Path,
+    out: Path,
+    plan: Callable[[dict[str, TensorSpec]], dict[str, list[TensorSpec]]],
+    finish: Callable[[Path, dict[str, str], dict[str, FileInfo], int], None],
+    dtype: torch.dtype | None,
+    progress: bool,
+) -> Path:
+    """Stream every tensor of ``src_dir`` into the files ``plan`` lays out, then ``finish`` the index."""
+    index = read_index(src_dir)
+    if index.hybrid_ep is not None:
+        verify_checksums(index)
+    layout = plan({k: _cast(s, dtype) for k, s in index.specs.items()})
+    tmp = _prepare_out(out)
+    writers: dict[str, StreamingSafetensorsWriter] = {}
+    try:
+        weight_map = {spec.name: file for file, specs in layout.items() for spec in specs}
+        for file, specs in layout.items():
+            writers[file] = StreamingSafetensorsWriter(tmp / file, specs, {"format": "pt"})
+        total = sum(s.nbytes for s in index.specs.values())
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+            for src_file in index.files:
+                keys = sorted(k for k, f in index.weight_map.items() if f == src_file)
+                with safe_open(index.path(src_file), framework="pt") as f:
+                    for key in keys:
+                        tensor = f.get_tensor(key)
+                        if dtype is not None and tensor.dtype.is_floating_point:
+                            tensor = tensor.to(dtype)
+                        writers[weight_map[key]].write(key, tensor)
+                        bar.update(index.specs[key].nbytes)
+                        del tensor
+        for w in writers.values():
+            w.close()
+        infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in layout}
+        _copy_side_files(src_dir, tmp)
+        finish(tmp, weight_map, infos, sum(s.nbytes for specs in layout.values() for s in specs))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    ep_degree: int,
+    dtype: str | None = None,
+    revision: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> Path:
+    """Convert a Hub repo or local checkpoint (or reshard a hybrid-EP one) for ``ep_degree`` EP ranks.
+
+    Per-expert keys go to one file per EP rank (contiguous placement, global expert ids in the keys);
+    fused ``[E, ...]`` expert tensors stay whole; dense tensors go to size-capped shards.
+
+    Raises:
+        CheckpointError: before anything is written, naming the file or key at fault.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype] if dtype else None
+    src_dir, source = resolve_source(src, revision)
+    experts = model_experts(src_dir)
+    table = PlacementTable.contiguous(experts.num_experts, ep_degree)
+    index_source = read_index(src_dir).hybrid_ep
+    if index_source is not None:
+        source = index_source.source
+    state: dict[str, Any] = {}
+
+    def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
+        roles = classify_keys(specs, experts.num_experts)
+        owner = {e: r for r, row in enumerate(table.rows) for e in row}
+        dense = [s for k, s in sorted(specs.items()) if roles[k].kind == "dense"]
+        fused = [s for k, s in sorted(specs.items()) if roles[k].kind == "fused"]
+        per_rank: dict[int, list[TensorSpec]] = {r: [] for r in range(ep_degree)}
+        for k, s in sorted(specs.items()):
+            if roles[k].kind == "per_expert":
+                per_rank[owner[roles[k].expert]].append(s)
+        layout: dict[str, list[TensorSpec]] = {}
+        dense_groups = _pack_by_size(dense, max_shard_bytes)
+        for i, group in enumerate(dense_groups, 1):
+            layout[dense_file(i, len(dense_groups))] = group
+        state["roles"] = {}
+        for r, group in per_rank.items():
+            if group:
+                layout[rank_file(r, ep_degree)] = group
+                state["roles"][rank_file(r, ep_degree)] = ("experts", r)
+        fused_groups = _pack_by_size(fused, max_shard_bytes)
+        for i, group in enumerate(fused_groups, 1):
+            layout[fused_file(i, len(fused_groups))] = group
+            state["roles"][fused_file(i, len(fused_groups))] = ("fused", None)
+        kinds = {r.kind for r in roles.values()} - {"dense"}
+        state["storage"] = kinds.pop() if len(kinds) == 1 else "mixed"
+        floats = [s.dtype for s in specs.values() if s.dtype.is_floating_point]
+        state["dtype"] = str(max(set(floats), key=floats.count)).removeprefix("torch.") if floats else "none"
+        return layout
+
+    def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
+        for name, info in infos.items():
+            info.role, info.ep_rank = state["roles"].get(name, ("dense", None))
+        meta = HybridEPMetadata(
+            ep_degree=ep_degree, num_experts=experts.num_experts, num_moe_layers=experts.num_moe_layers,
+            storage=state["storage"], placement=[list(r) for r in table.rows], dtype=state["dtype"],
+            source=source, files=infos,
+        )
+        write_index(tmp, weight_map, total, meta)
+
+    return _rewrite(src_dir, Path(out), plan, finish, torch_dtype, progress)
+
+
+def export_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> list[str]:
+    """Write a plain Hugging Face checkpoint (the model's original key format, standard shard names).
+
+    Returns the names of the side state that was dropped because vanilla transformers has no place
+    for it (today: the hybrid_ep metadata block).
+    """
+    src_dir = Path(src)
+    index = read_index(src_dir)
+    dropped = ["model.safetensors.index.json: metadata.hybrid_ep"] if index.hybrid_ep is not None else []
+
+    def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
+        groups = _pack_by_size([s for _, s in sorted(specs.items())], max_shard_bytes)
+        return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups, 1)}
+
+    def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
+        write_index(tmp, weight_map, total, None)
+
+    _rewrite(src_dir, Path(out), plan, finish, None, progress)
+    return dropped

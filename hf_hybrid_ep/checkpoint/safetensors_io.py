@@ -1,0 +1,144 @@
+"""Streaming safetensors I/O: headers without data, and a writer that never holds a whole file.
+
+The safetensors library writes a file from a complete in-memory dict. To convert checkpoints larger
+than memory, :class:`StreamingSafetensorsWriter` lays out the header first (names, dtypes, shapes
+and offsets are known up front) and then writes each tensor's bytes at its offset as it arrives.
+The files it writes are ordinary safetensors files (checked by reading them back with ``safe_open``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPE_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+_MAX_HEADER = 100 * 2**20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file, index or key that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor, known without reading its data."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, TensorSpec], dict[str, str]]:
+    """Tensor specs and ``__metadata__`` of a safetensors file, reading only its header.
+
+    Raises:
+        CheckpointError: naming the file when it is missing, truncated or not safetensors.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing checkpoint file {str(path)!r}")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{str(path)!r} is truncated: no safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{str(path)!r} is truncated or not a safetensors file (header of {n} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{str(path)!r} has a corrupt safetensors header: {err}") from err
+    metadata = header.pop("__metadata__", {}) or {}
+    specs, end = {}, 0
+    for name, info in header.items():
+        if info.get("dtype") not in ST_TO_DTYPE:
+            raise CheckpointError(f"{str(path)!r}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        spec = TensorSpec(name, ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]))
+        begin, stop = info["data_offsets"]
+        if stop - begin != spec.nbytes:
+            raise CheckpointError(f"{str(path)!r}: tensor {name!r} has inconsistent offsets")
+        end = max(end, stop)
+        specs[name] = spec
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{str(path)!r} is truncated: its header describes {8 + n + end} bytes, the file has {size}"
+        )
+    return specs, metadata
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 16 * 2**20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in any order, without holding the file in memory."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.specs = {s.name: s for s in sorted(specs, key=lambda s: s.name)}
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        self._offsets: dict[str, int] = {}
+        for name, spec in self.specs.items():
+            header[name] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": list(spec.shape),
+                            "data_offsets": [offset, offset + spec.nbytes]}
+            self._offsets[name] = offset
+            offset += spec.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._data_start = 8 + len(blob)
+        self._written: set[str] = set()
+        self._file = self.path.open("wb")
+        self._file.write(struct.pack("<Q", len(blob)))
+        self._file.write(blob)
+        self._file.truncate(self._data_start + offset)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise KeyError(f"{name!r} is not a tensor of {self.path.name}")
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{name!r}: expected {spec.dtype} {spec.shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._file.seek(self._data_start + self._offsets[name])
+        self._file.write(data.data)
+        self._written.add(name)
+
+    def close(self) -> None:
+        self._file.close()
+        missing = sorted(set(self.specs) - self._written)
+        if missing:
+            raise CheckpointError(f"{self.path.name}: tensors never written: {missing[:5]}")
+
+    def abort(self) -> None:
+        self._file.close()
