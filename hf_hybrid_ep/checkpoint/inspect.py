@@ -1,0 +1,66 @@
+"""Summaries of a checkpoint directory: layers, experts, ranks and bytes per file."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .format import read_index, verify_checksums
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
+    """Describe a (hybrid-EP or plain) safetensors checkpoint; with ``verify``, re-hash every file.
+
+    Raises:
+        CheckpointError: for a checkpoint that fails its checks (naming the file or key).
+    """
+    index = read_index(path)
+    if verify:
+        verify_checksums(index)
+    files: dict[str, dict[str, Any]] = {}
+    for name in index.weight_map.values():
+        entry = files.setdefault(name, {"tensors": 0, "bytes": (index.root / name).stat().st_size})
+        entry["tensors"] += 1
+    summary: dict[str, Any] = {
+        "path": str(index.root),
+        "hybrid_ep": index.hybrid_ep is not None,
+        "tensors": len(index.weight_map),
+        "bytes": sum(f["bytes"] for f in files.values()),
+        "files": files,
+    }
+    meta = index.hybrid_ep
+    if meta is not None:
+        for name, info in meta.files.items():
+            files[name].update(role=info.role, ep_rank=info.ep_rank, sha256=info.sha256)
+        summary.update(
+            ep_degree=meta.ep_degree,
+            num_experts=meta.num_experts,
+            num_moe_layers=meta.num_moe_layers,
+            storage=meta.storage,
+            dtype=meta.dtype,
+            placement=meta.placement,
+            source=meta.source,
+            verified=verify,
+        )
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"{summary['path']}: {summary['tensors']} tensors, {summary['bytes'] / 2**20:.2f} MiB"]
+    if summary["hybrid_ep"]:
+        lines.append(
+            f"hybrid-EP format: ep_degree={summary['ep_degree']}, {summary['num_experts']} experts × "
+            f"{summary['num_moe_layers']} MoE layers, storage={summary['storage']}, dtype={summary['dtype']}"
+        )
+        for rank, row in enumerate(summary["placement"]):
+            lines.append(f"  EP rank {rank}: experts {row[0]}–{row[-1]}" if row == list(range(row[0], row[-1] + 1))
+                         else f"  EP rank {rank}: experts {row}")
+        if summary.get("verified"):
+            lines.append("checksums: all files verified")
+    else:
+        lines.append("plain checkpoint (no hybrid_ep metadata)")
+    for name, f in sorted(summary["files"].items()):
+        role = f.get("role", "")
+        rank = f" rank {f['ep_rank']}" if f.get("ep_rank") is not None else ""
+        lines.append(f"  {name}: {f['tensors']} tensors, {f['bytes'] / 2**20:.2f} MiB {role}{rank}".rstrip())
+    return "\n".join(lines)

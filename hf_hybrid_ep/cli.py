@@ -1,0 +1,72 @@
+"""``hf-hybrid-ep``: convert, reshard, export and inspect expert-sharded checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
+from .checkpoint.inspect import format_summary, inspect_checkpoint
+from .config import HybridEPConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-hybrid-ep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a Hub repo or local checkpoint to the hybrid-EP format")
+    p.add_argument("src", help="Hub repo id or local checkpoint directory")
+    p.add_argument("out", help="output directory (must not exist or be empty)")
+    p.add_argument("--ep-degree", type=int, required=True, help="EP ranks to lay the experts out for")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--max-shard-size-mb", type=int, default=5 * 1024, help="cap of dense and fused files")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the result to this repo")
+
+    p = sub.add_parser("reshard", help="rewrite a hybrid-EP checkpoint for another EP degree")
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--ep-degree", type=int, required=True)
+
+    p = sub.add_parser("export", help="write a plain Hugging Face checkpoint in the original key format")
+    p.add_argument("ckpt")
+    p.add_argument("out")
+
+    p = sub.add_parser("inspect", help="layers, experts, ranks and bytes per file")
+    p.add_argument("ckpt")
+    p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "convert":
+            out = convert_checkpoint(
+                args.src, args.out, ep_degree=args.ep_degree, dtype=args.dtype, revision=args.revision,
+                max_shard_bytes=args.max_shard_size_mb * 2**20,
+            )
+            print(f"wrote {out}")
+            if args.push_to_hub:
+                from .hub import push_to_hub
+
+                print(push_to_hub(out, args.push_to_hub))
+        elif args.command == "reshard":
+            print(f"wrote {convert_checkpoint(args.ckpt, args.out, ep_degree=args.ep_degree)}")
+        elif args.command == "export":
+            dropped = export_checkpoint(args.ckpt, args.out)
+            print(f"wrote {args.out}")
+            print("dropped side state: " + (", ".join(dropped) if dropped else "none"))
+        elif args.command == "inspect":
+            summary = inspect_checkpoint(args.ckpt, verify=args.verify)
+            print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    except (CheckpointError, HybridEPConfigError) as err:
+        print(f"hf-hybrid-ep {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

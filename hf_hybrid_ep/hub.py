@@ -1,0 +1,70 @@
+"""Publish a hybrid-EP checkpoint to the Hub with a model card (through ``huggingface_hub``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .checkpoint.format import read_index
+from .checkpoint.safetensors_io import CheckpointError
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "hybrid_ep_model_card.md"
+
+
+def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
+    """A ``huggingface_hub.ModelCard`` for the checkpoint, rendered from ``model_cards/``."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    if not TEMPLATE.is_file():
+        raise CheckpointError(f"model-card template {str(TEMPLATE)!r} is missing")
+    index = read_index(ckpt_dir)
+    meta = index.hybrid_ep
+    if meta is None:
+        raise CheckpointError(f"{str(ckpt_dir)!r} is not a hybrid-EP checkpoint (no hybrid_ep metadata)")
+    base_model = meta.source.get("repo_id")
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        tags=["moe", "hybrid-ep", "expert-parallel", "safetensors"],
+    )
+    per_rank = len(meta.placement[0])
+    return ModelCard.from_template(
+        data,
+        template_path=str(TEMPLATE),
+        model_name=repo_id.split("/")[-1],
+        base_model=base_model or "a local checkpoint",
+        ep_degree=meta.ep_degree,
+        num_experts=meta.num_experts,
+        num_moe_layers=meta.num_moe_layers,
+        placement_summary=f"contiguous, {per_rank} experts per EP rank" if meta.placement == [
+            list(range(r * per_rank, (r + 1) * per_rank)) for r in range(meta.ep_degree)
+        ] else str(meta.placement),
+        storage=meta.storage,
+        dtype=meta.dtype,
+        repo_id=repo_id,
+    )
+
+
+def push_to_hub(
+    ckpt_dir: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str = "Upload hybrid-EP checkpoint",
+) -> str:
+    """Create ``repo_id`` if needed and upload the checkpoint folder plus a rendered README.md.
+
+    Returns the commit URL. The token is passed to ``huggingface_hub`` and never printed or logged.
+    """
+    from huggingface_hub import HfApi
+
+    card = render_model_card(ckpt_dir, repo_id)
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    (Path(ckpt_dir) / "README.md").write_text(str(card))
+    info = api.upload_folder(
+        folder_path=str(ckpt_dir), repo_id=repo_id, revision=revision, commit_message=commit_message,
+    )
+    return str(getattr(info, "commit_url", info))
