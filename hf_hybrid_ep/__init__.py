@@ -4,16 +4,24 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 """
 
+from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
+from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable
 from .experts import find_experts_modules, is_fused_experts
 from .grads import clip_grad_norm_, no_sync
+from .hub import push_to_hub
 from .mesh import HybridMesh, build_mesh
 from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, state_of
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "convert_checkpoint",
+    "export_checkpoint",
+    "from_pretrained",
+    "push_to_hub",
     "HybridEPConfig",
     "HybridEPConfigError",
     "HybridMesh",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,12 @@ def _expert_buckets(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tupl
     return [buckets[r] for r in sorted(buckets)], norm_weights
 
 
-def parallelize(model: nn.Module, config: HybridEPConfig | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    config: HybridEPConfig | None = None,
+    *,
+    materialize: Callable[[nn.Module, list[ExpertParallelLayer]], None] | None = None,
+) -> nn.Module:
     """Shard the routed experts of a transformers MoE model over EP groups and return the same model.
 
     The model must be built identically on every rank (same config and seed, or the same checkpoint)
@@ -117,7 +123,8 @@ def parallelize(model: nn.Module, config: HybridEPConfig | None = None) -> nn.Mo
     resolve_backend(config.dispatcher)
     tables = [_table_for(config, m.num_experts, ep) for _, m in found]
     mesh = build_mesh(dp, ep)
-    _check_same_everywhere(model, tables, mesh)
+    if not any(p.is_meta for p in model.parameters()):
+        _check_same_everywhere(model, tables, mesh)
 
     layers = []
     for (name, module), table in zip(found, tables, strict=True):
@@ -127,6 +134,8 @@ def parallelize(model: nn.Module, config: HybridEPConfig | None = None) -> nn.Mo
     names = {i: layer.name for i, layer in enumerate(layers)}
     for i, layer in enumerate(layers):
         layer.layer_id, layer.layer_names = i, names
+    if materialize is not None:
+        materialize(model, layers)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     buckets, norm_weights = _expert_buckets(layers, mesh)

@@ -1,0 +1,204 @@
+"""Rank-local loading: build the model with no expert memory, read dense tensors and this rank's experts.
+
+Works on hybrid-EP checkpoints and on plain Hugging Face checkpoints alike, at any EP degree (keys
+carry global expert ids). Checkpoint keys are mapped to model parameters with transformers' own
+conversion mapping (renamings, and converters such as "stack per-expert w1/w3 into gate_up_proj"),
+applied to this rank's experts only, in local-slot order. Only the files holding needed keys are
+opened, and of fused ``[E, ...]`` tensors only this rank's rows are read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from ..config import HybridEPConfig
+from ..experts import ExpertParallelLayer
+from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME
+from .layout import build_meta_model
+from .safetensors_io import CheckpointError, read_header
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Target:
+    """How one model tensor is assembled from checkpoint keys."""
+
+    converter: object | None = None
+    # converter source pattern -> checkpoint keys (for expert converters: one per local slot, in slot order)
+    sources: dict[str, list[str | None]] = field(default_factory=dict)
+    direct: str | None = None  # a key loaded as is
+    rows: list[int] | None = None  # fused expert tensor: the global expert rows this rank reads
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err}") from err
+    if (root / SINGLE_NAME).is_file():
+        specs, _ = read_header(root / SINGLE_NAME)
+        return {k: SINGLE_NAME for k in specs}
+    raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
+
+
+def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_map: dict[str, str]) -> dict[str, _Target]:
+    """Map every model tensor this rank needs to the checkpoint keys it is made of."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, apply_converters, apply_renamings
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_module = {layer.name: layer for layer in layers}
+    targets: dict[str, _Target] = defaultdict(_Target)
+    for key in sorted(weight_map):
+        renamed = apply_renamings(key, renamings)
+        name, pattern = apply_converters(renamed, converters)
+        module_name, _, param = name.rpartition(".")
+        layer = by_module.get(module_name)
+        if pattern is None:
+            if layer is not None and param in layer.param_names:  # fused [E, ...] expert tensor
+                targets[name].direct, targets[name].rows = key, list(layer.local_experts)
+            else:
+                targets[name].direct = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        target = targets[name]
+        target.converter = converter
+        match = PER_EXPERT_KEY.match(key)
+        if layer is not None and match is not None:
+            expert = int(match["expert"])
+            if expert not in layer.local_experts:
+                continue  # another rank's expert: never read
+            slots = target.sources.setdefault(pattern, [None] * len(layer.local_experts))
+            slots[layer.local_experts.index(expert)] = key
+        else:
+            target.sources.setdefault(pattern, []).append(key)
+    return dict(targets)
+
+
+class _Reader:
+    """Opens each needed file once; reads whole tensors or row subsets of fused tensors."""
+
+    def __init__(self, root: Path, weight_map: dict[str, str]) -> None:
+        self.root, self.weight_map = root, weight_map
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, key: str):
+        name = self.weight_map[key]
+        if os.path.isabs(name) or ".." in Path(name).parts:
+            raise CheckpointError(f"the index names file {name!r} outside the checkpoint directory")
+        if name not in self._handles:
+            path = self.root / name
+            read_header(path)  # a clear error for a missing or truncated file
+            self._handles[name] = safe_open(path, framework="pt")
+        return self._handles[name]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def rows(self, key: str, rows: list[int]) -> torch.Tensor:
+        sl = self._handle(key).get_slice(key)
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            return sl[rows[0] : rows[-1] + 1]
+        return torch.cat([sl[r : r + 1] for r in rows])
+
+
+def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> torch.Tensor:
+    if target.converter is None:
+        if target.rows is not None:
+            return reader.rows(target.direct, target.rows)
+        return reader.tensor(target.direct)
+    conv = target.converter
+    collected: dict[str, list[torch.Tensor]] = {}
+    for pattern in conv.source_patterns:
+        keys = target.sources.get(pattern)
+        if keys is None:
+            continue
+        missing = [i for i, k in enumerate(keys) if k is None]
+        if missing:
+            raise CheckpointError(f"the checkpoint lacks local slot {missing[0]} of {name} (pattern {pattern!r})")
+        collected[pattern] = [reader.tensor(k) for k in keys]
+    for op in conv.operations:
+        collected = op.convert(
+            collected, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
+            full_layer_name=name, model=model, config=model.config,
+        )
+    if len(collected) != 1:
+        raise CheckpointError(f"conversion of {name} produced {sorted(collected)}; expected one tensor")
+    return next(iter(collected.values()))
+
+
+def load_rank_local_(
+    root: Path, model: nn.Module, layers: list[ExpertParallelLayer], dtype: torch.dtype | None = None
+) -> None:
+    """Replace every meta parameter of ``model`` (already sharded) by its checkpoint value."""
+    weight_map = _weight_map(root)
+    targets = plan_rank_local(model, layers, weight_map)
+    reader = _Reader(root, weight_map)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    unexpected = sorted(set(targets) - set(params) - set(buffers))
+    if unexpected:
+        logger.warning("checkpoint tensors with no model parameter (ignored): %s", unexpected[:10])
+    with torch.no_grad():
+        for name, target in sorted(targets.items()):
+            if name not in params and name not in buffers:
+                continue
+            value = _assemble(name, target, reader, model)
+            current = params.get(name, buffers.get(name))
+            if tuple(value.shape) != tuple(current.shape):
+                raise CheckpointError(
+                    f"checkpoint tensor for {name!r} has shape {tuple(value.shape)}, the model expects "
+                    f"{tuple(current.shape)}"
+                )
+            if name in buffers:
+                buffers[name].copy_(value.to(buffers[name].dtype))
+                continue
+            if dtype is not None and value.dtype.is_floating_point:
+                value = value.to(dtype)
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[leaf] = nn.Parameter(value, requires_grad=current.requires_grad)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    config: HybridEPConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    revision: str | None = None,
+) -> nn.Module:
+    """Build a hybrid-EP model reading only dense tensors and this rank's experts.
+
+    ``path`` is a hybrid-EP or plain safetensors checkpoint directory, or a Hub repo id. The model is
+    created with parameters on the meta device, sharded by :func:`hf_hybrid_ep.parallelize`, and then
+    filled from the checkpoint. Collective: call on every rank.
+    """
+    from ..parallelize import parallelize
+    from .convert import resolve_source
+
+    root, _ = resolve_source(path, revision)
+    hf_config = AutoConfig.from_pretrained(root)
+    model = build_meta_model(hf_config)
+    parallelize(model, config, materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype))
+    model.eval()
+    return model
