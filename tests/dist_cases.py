@@ -350,3 +350,60 @@ def inf_norm(model_type: str, ep: int, num_experts: int) -> dict:
     got = hep.clip_grad_norm_(model, 1e-3, norm_type=math.inf)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=math.inf)
     return {"rel": abs(got.item() - want.item()) / want.item()}
+
+
+def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: bool = False) -> dict:
+    """Load with hf_hybrid_ep.from_pretrained and compare with a vanilla single-process load.
+
+    With ``sabotage``, the rank loads from its own copy of the checkpoint in which every expert file
+    holding none of its experts is deleted (per-expert storage) and every other rank's rows of fused
+    expert tensors are NaN (fused storage): a clean, correct model proves it read only its own bytes.
+    """
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid_ep.checkpoint import read_index
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(ckpt)
+    deleted = poisoned = 0
+    if sabotage:
+        meta = read_index(root).hybrid_ep
+        per = meta.num_experts // ep
+        mine = set(range((rank % ep) * per, (rank % ep + 1) * per))
+        copy_dir = root.parent / f"{root.name}-rank{rank}"
+        shutil.copytree(root, copy_dir)
+        for name, info in meta.files.items():
+            if info.role == "experts" and not mine & set(meta.placement[info.ep_rank]):
+                (copy_dir / name).unlink()
+                deleted += 1
+            elif info.role == "fused":
+                tensors = load_file(copy_dir / name)
+                for key, value in tensors.items():
+                    others = [e for e in range(meta.num_experts) if e not in mine]
+                    value[others] = float("nan")
+                    poisoned += len(others)
+                save_file(tensors, copy_dir / name, metadata={"format": "pt"})
+        root = copy_dir
+    model = hep.from_pretrained(root, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir)
+    ref.eval()
+    state = hep.state_of(model)
+    local = {id(p): layer.local_experts for layer in state.layers for p in layer.expert_parameters()}
+    ref_params = dict(ref.named_parameters())
+    mismatched = []
+    for name, p in model.named_parameters():
+        want = ref_params[name].detach()
+        want = want[local[id(p)]] if id(p) in local else want
+        if not torch.equal(p.detach(), want):
+            mismatched.append(name)
+    batch = _rank_slice(_global_inputs(ref, world, seed=21), rank)
+    with torch.no_grad():
+        got = model(input_ids=batch["input_ids"]).logits
+        want = ref(input_ids=batch["input_ids"]).logits
+    return {"mismatched": mismatched, "logits_rel": _rel(got, want), "finite": bool(torch.isfinite(got).all()),
+            "deleted": deleted, "poisoned": poisoned, "expert_bytes": sum(
+                p.numel() * p.element_size() for layer in state.layers for p in layer.expert_parameters())}
