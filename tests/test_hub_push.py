@@ -1,0 +1,46 @@
+"""Pushing a converted checkpoint: real HTTP from huggingface_hub to a loopback stub of the Hub."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from checkpoint_fixtures import save_source
+from hub_stub import HubStub
+
+TOKEN = "hf_testtoken_do_not_print_123"
+
+
+@pytest.fixture()
+def hub():
+    stub = HubStub()
+    yield stub
+    stub.close()
+
+
+def test_convert_and_push_with_model_card(hub, tmp_path):
+    src = save_source("mixtral", tmp_path / "src")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN,
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "hf_hybrid_ep.cli", "convert", str(src), str(tmp_path / "ep2"), "--ep-degree", "2",
+         "--push-to-hub", "tester/tiny-mixtral-ep2"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert TOKEN not in run.stdout + run.stderr, "the token must never be printed"
+    assert hub.repos == ["tester/tiny-mixtral-ep2"]
+    files = hub.files["tester/tiny-mixtral-ep2"]
+    on_disk = {p.name for p in (tmp_path / "ep2").iterdir()}
+    assert set(files) == on_disk
+    assert {"model-experts-rank000-of-002.safetensors", "model-experts-rank001-of-002.safetensors",
+            "model.safetensors.index.json", "config.json", "README.md"} <= set(files)
+    assert files["config.json"] == (tmp_path / "ep2" / "config.json").read_bytes()
+    card = files["README.md"].decode()
+    front = yaml.safe_load(card.split("---")[1])
+    assert {"moe", "hybrid-ep"} <= set(front["tags"]) and front["library_name"] == "transformers"
+    assert "EP degree of the file layout | 2" in card and "contiguous, 2 experts per EP rank" in card
+    assert all(a == f"Bearer {TOKEN}" for a in hub.authorizations)
