@@ -18,6 +18,8 @@ class HubStub:
         self.files: dict[str, dict[str, bytes]] = {}
         self.commit_messages: list[str] = []
         self.authorizations: list[str] = []
+        self.served: dict[str, dict[str, bytes]] = {}  # repo -> files a download may fetch
+        self.requested: list[str] = []
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,6 +36,39 @@ class HubStub:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _file(self, head: bool) -> None:
+                path = self.path.split("?")[0]
+                if path.startswith("/api/models/"):
+                    repo = path[len("/api/models/"):].split("/revision/")[0]
+                    files = stub.served.get(repo)
+                    if files is None:
+                        return self._json({"error": "not found"}, status=404)
+                    return self._json({"id": repo, "modelId": repo, "sha": "b" * 40, "private": False,
+                                       "siblings": [{"rfilename": f} for f in sorted(files)]})
+                if "/resolve/" in path:
+                    repo, rest = path.lstrip("/").split("/resolve/")
+                    filename = rest.split("/", 1)[1]
+                    data = stub.served.get(repo, {}).get(filename)
+                    if data is None:
+                        return self._json({"error": "not found"}, status=404)
+                    if not head:
+                        stub.requested.append(filename)
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.send_header("ETag", f'"{abs(hash(data))}"')
+                    self.send_header("X-Repo-Commit", "b" * 40)
+                    self.end_headers()
+                    if not head:
+                        self.wfile.write(data)
+                    return None
+                return self._json({"error": f"stub has no {path}"}, status=404)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server API
+                self._file(head=False)
+
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server API
+                self._file(head=True)
 
             def do_POST(self) -> None:  # noqa: N802 - http.server API
                 stub.authorizations.append(self.headers.get("Authorization", ""))

@@ -44,3 +44,25 @@ def test_convert_and_push_with_model_card(hub, tmp_path):
     assert {"moe", "hybrid-ep"} <= set(front["tags"]) and front["library_name"] == "transformers"
     assert "EP degree of the file layout | 2" in card and "contiguous, 2 experts per EP rank" in card
     assert all(a == f"Bearer {TOKEN}" for a in hub.authorizations)
+
+
+def test_convert_from_a_hub_repo_downloads_only_what_it_needs(hub, tmp_path):
+    src = save_source("qwen3_moe", tmp_path / "src")
+    served = {p.name: p.read_bytes() for p in src.iterdir()}
+    served["pytorch_model.bin"] = b"pickle weights must never be fetched"
+    served["original/consolidated.safetensors"] = b"not needed"
+    hub.served["org/tiny-qwen3-moe"] = served
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_CACHE": str(tmp_path / "cache"),
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "hf_hybrid_ep.cli", "convert", "org/tiny-qwen3-moe", str(tmp_path / "out"),
+         "--ep-degree", "2"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pytorch_model.bin" not in hub.requested and "original/consolidated.safetensors" not in hub.requested
+    assert sorted(hub.requested) == sorted(p.name for p in src.iterdir())
+    from hf_hybrid_ep.checkpoint import read_index
+
+    meta = read_index(tmp_path / "out").hybrid_ep
+    assert meta.source == {"repo_id": "org/tiny-qwen3-moe", "revision": "b" * 40}
