@@ -407,3 +407,23 @@ def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: b
     return {"mismatched": mismatched, "logits_rel": _rel(got, want), "finite": bool(torch.isfinite(got).all()),
             "deleted": deleted, "poisoned": poisoned, "expert_bytes": sum(
                 p.numel() * p.element_size() for layer in state.layers for p in layer.expert_parameters())}
+
+
+def hub_rank_local_load(endpoint: str, repo_id: str, cache_base: str, reference_dir: str, dp: int, ep: int) -> dict:
+    """hf_hybrid_ep.from_pretrained on a Hub repo id: each rank fetches only the files it needs."""
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Point this worker's Hub client at the loopback stub (the env twins are read at import time).
+    constants.ENDPOINT = endpoint
+    constants.HUGGINGFACE_CO_URL_TEMPLATE = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    constants.HF_HUB_DISABLE_XET = True
+    constants.HF_HUB_CACHE = f"{cache_base}/rank{rank}"
+    model = hep.from_pretrained(repo_id, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir)
+    ref.eval()
+    batch = _rank_slice(_global_inputs(ref, world, seed=22), rank)
+    with torch.no_grad():
+        rel = _rel(model(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits)
+    return {"logits_rel": rel}

@@ -66,3 +66,21 @@ def test_convert_from_a_hub_repo_downloads_only_what_it_needs(hub, tmp_path):
 
     meta = read_index(tmp_path / "out").hybrid_ep
     assert meta.source == {"repo_id": "org/tiny-qwen3-moe", "revision": "b" * 40}
+
+
+def test_rank_local_load_from_a_hub_repo_fetches_only_own_files(hub, pools, tmp_path):
+    import dist_cases as cases
+
+    import hf_hybrid_ep as hep
+
+    src = save_source("mixtral", tmp_path / "src")
+    ep2 = hep.convert_checkpoint(src, tmp_path / "ep2", ep_degree=2, progress=False)
+    hub.served["org/tiny-mixtral-ep2"] = {p.name: p.read_bytes() for p in ep2.iterdir()}
+    results = pools(2).run(
+        cases.hub_rank_local_load, hub.url, "org/tiny-mixtral-ep2", str(tmp_path / "cache"), str(src), 1, 2
+    )
+    assert all(r["logits_rel"] <= cases.REL_TOL for r in results), results
+    # every rank has its own cache: each rank file was fetched once, by its own rank only
+    assert hub.requested.count("model-experts-rank000-of-002.safetensors") == 1
+    assert hub.requested.count("model-experts-rank001-of-002.safetensors") == 1
+    assert hub.requested.count("model-dense-00001-of-00001.safetensors") == 2

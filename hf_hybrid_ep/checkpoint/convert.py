@@ -59,31 +59,42 @@ def _pack_by_size(specs: list[TensorSpec], cap: int) -> list[list[TensorSpec]]:
     return [g for g in groups if g]
 
 
+def hub_metadata(repo_id: str, revision: str | None = None) -> tuple[Path, dict[str, Any], list[str]]:
+    """Download a Hub repo's config, side files and index (no weights); return the snapshot directory,
+    the source record (repo id and resolved commit) and the weight files the checkpoint consists of."""
+    if not _REPO_ID.match(repo_id):
+        raise CheckpointError(f"{repo_id!r} is neither a checkpoint directory nor a Hub repo id")
+    import json
+
+    from huggingface_hub import HfApi, hf_hub_download
+
+    info = HfApi().model_info(repo_id, revision=revision, files_metadata=False)
+    files = [s.rfilename for s in (info.siblings or [])]
+    side = [f for f in files if "/" not in f and not f.endswith(_WEIGHT_SUFFIXES) and f != INDEX_NAME]
+    if INDEX_NAME in files:
+        index_path = Path(hf_hub_download(repo_id, INDEX_NAME, revision=info.sha))
+        weights = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    elif SINGLE_NAME in files:
+        weights = [SINGLE_NAME]
+    else:
+        raise CheckpointError(f"Hub repo {repo_id!r} has no safetensors weights ({INDEX_NAME} or {SINGLE_NAME})")
+    root = None
+    for name in side or ["config.json"]:
+        root = Path(hf_hub_download(repo_id, name, revision=info.sha)).parent
+    return root, {"repo_id": repo_id, "revision": info.sha}, weights
+
+
 def resolve_source(src: str | os.PathLike[str], revision: str | None = None) -> tuple[Path, dict[str, Any]]:
     """A local checkpoint directory, or a Hub repo id downloaded with only the files conversion needs."""
     path = Path(src)
     if path.is_dir():
         return path, {"path": str(path.resolve())}
-    if not _REPO_ID.match(str(src)):
-        raise CheckpointError(f"{str(src)!r} is neither a checkpoint directory nor a Hub repo id")
-    import json
+    from huggingface_hub import hf_hub_download
 
-    from huggingface_hub import HfApi, hf_hub_download
-
-    info = HfApi().model_info(str(src), revision=revision, files_metadata=False)
-    files = [s.rfilename for s in (info.siblings or [])]
-    wanted = [f for f in files if "/" not in f and not f.endswith(_WEIGHT_SUFFIXES) and f != INDEX_NAME]
-    if INDEX_NAME in files:
-        index_path = hf_hub_download(str(src), INDEX_NAME, revision=info.sha)
-        shards = sorted(set(json.loads(Path(index_path).read_text())["weight_map"].values()))
-    elif SINGLE_NAME in files:
-        shards = [SINGLE_NAME]
-    else:
-        raise CheckpointError(f"Hub repo {src!r} has no safetensors weights ({INDEX_NAME} or {SINGLE_NAME})")
-    local = None
-    for name in tqdm(wanted + shards, desc=f"download {src}", unit="file"):
-        local = Path(hf_hub_download(str(src), name, revision=info.sha)).parent
-    return local, {"repo_id": str(src), "revision": info.sha}
+    root, source, weights = hub_metadata(str(src), revision)
+    for name in tqdm(weights, desc=f"download {src}", unit="file"):
+        hf_hub_download(source["repo_id"], name, revision=source["revision"])
+    return root, source
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:

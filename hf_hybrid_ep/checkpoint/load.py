@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,8 +94,8 @@ def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_
 class _Reader:
     """Opens each needed file once; reads whole tensors or row subsets of fused tensors."""
 
-    def __init__(self, root: Path, weight_map: dict[str, str]) -> None:
-        self.root, self.weight_map = root, weight_map
+    def __init__(self, root: Path, weight_map: dict[str, str], fetch: Callable[[str], Path] | None = None) -> None:
+        self.root, self.weight_map, self.fetch = root, weight_map, fetch
         self._handles: dict[str, object] = {}
 
     def _handle(self, key: str):
@@ -102,7 +103,7 @@ class _Reader:
         if os.path.isabs(name) or ".." in Path(name).parts:
             raise CheckpointError(f"the index names file {name!r} outside the checkpoint directory")
         if name not in self._handles:
-            path = self.root / name
+            path = self.fetch(name) if self.fetch is not None else self.root / name
             read_header(path)  # a clear error for a missing or truncated file
             self._handles[name] = safe_open(path, framework="pt")
         return self._handles[name]
@@ -143,12 +144,20 @@ def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> 
 
 
 def load_rank_local_(
-    root: Path, model: nn.Module, layers: list[ExpertParallelLayer], dtype: torch.dtype | None = None
+    root: Path,
+    model: nn.Module,
+    layers: list[ExpertParallelLayer],
+    dtype: torch.dtype | None = None,
+    fetch: Callable[[str], Path] | None = None,
 ) -> None:
-    """Replace every meta parameter of ``model`` (already sharded) by its checkpoint value."""
+    """Replace every meta parameter of ``model`` (already sharded) by its checkpoint value.
+
+    ``fetch(name)``, if given, returns the local path of weight file ``name`` (downloading it): only
+    files holding a needed key are asked for.
+    """
     weight_map = _weight_map(root)
     targets = plan_rank_local(model, layers, weight_map)
-    reader = _Reader(root, weight_map)
+    reader = _Reader(root, weight_map, fetch)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     unexpected = sorted(set(targets) - set(params) - set(buffers))
@@ -194,11 +203,21 @@ def from_pretrained(
     filled from the checkpoint. Collective: call on every rank.
     """
     from ..parallelize import parallelize
-    from .convert import resolve_source
+    from .convert import hub_metadata
 
-    root, _ = resolve_source(path, revision)
+    fetch = None
+    if Path(path).is_dir():
+        root = Path(path)
+    else:  # a Hub repo: config, index and side files now; weight files only when a needed key is in them
+        from huggingface_hub import hf_hub_download
+
+        root, source, _ = hub_metadata(str(path), revision)
+
+        def fetch(name: str) -> Path:
+            return Path(hf_hub_download(source["repo_id"], name, revision=source["revision"]))
+
     hf_config = AutoConfig.from_pretrained(root)
     model = build_meta_model(hf_config)
-    parallelize(model, config, materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype))
+    parallelize(model, config, materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch))
     model.eval()
     return model
