@@ -14,7 +14,7 @@ from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
 from .experts import ExpertParallelLayer, check_shardable
 from .grads import ExpertBucket, GradientReducer
-from .mesh import HybridMesh, build_mesh
+from .mesh import HybridMesh, build_mesh, current_device
 
 
 @dataclass
@@ -95,6 +95,24 @@ def _expert_buckets(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tupl
     return [buckets[r] for r in sorted(buckets)], norm_weights
 
 
+def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
+    """Run ``fn(*args)``; if it raises on any rank, raise on every rank (nobody enters a collective alone)."""
+    error: BaseException | None = None
+    try:
+        fn(*args)
+    except Exception as err:  # re-raised below, after the ranks agree
+        error = err
+    if mesh.world_group is not None:
+        flags = torch.zeros(mesh.world_size, dtype=torch.int32, device=current_device(mesh))
+        flags[mesh.rank] = int(error is not None)
+        dist.all_reduce(flags, group=mesh.world_group)
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        if failed and error is None:
+            raise RuntimeError(f"hybrid-EP setup failed on rank(s) {failed}; see their errors")
+    if error is not None:
+        raise error
+
+
 def parallelize(
     model: nn.Module,
     config: HybridEPConfig | None = None,
@@ -135,7 +153,7 @@ def parallelize(
     for i, layer in enumerate(layers):
         layer.layer_id, layer.layer_names = i, names
     if materialize is not None:
-        materialize(model, layers)
+        _agree(mesh, materialize, model, layers)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     buckets, norm_weights = _expert_buckets(layers, mesh)

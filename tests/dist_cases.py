@@ -382,7 +382,7 @@ def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: b
                 deleted += 1
             elif info.role == "fused":
                 tensors = load_file(copy_dir / name)
-                for key, value in tensors.items():
+                for value in tensors.values():
                     others = [e for e in range(meta.num_experts) if e not in mine]
                     value[others] = float("nan")
                     poisoned += len(others)
@@ -427,3 +427,25 @@ def hub_rank_local_load(endpoint: str, repo_id: str, cache_base: str, reference_
     with torch.no_grad():
         rel = _rel(model(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits)
     return {"logits_rel": rel}
+
+
+def load_with_a_missing_file(ckpt: str, bad_rank: int) -> dict:
+    """One rank's copy lacks its expert file: that rank names the file, every other rank raises too."""
+    import shutil
+    from pathlib import Path
+
+    rank = dist.get_rank()
+    root = Path(ckpt)
+    mine = root.parent / f"{root.name}-missing-rank{rank}"
+    shutil.copytree(root, mine)
+    if rank == bad_rank:
+        (mine / f"model-experts-rank{rank:03d}-of-002.safetensors").unlink()
+    try:
+        hep.from_pretrained(mine, hep.HybridEPConfig(ep_degree=2))
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        message = f"{type(err).__name__}: {err}"
+    else:
+        message = ""
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    return {"message": message, "alive": flag.item() == dist.get_world_size()}

@@ -43,3 +43,12 @@ def test_each_rank_reads_only_its_own_experts(pools, checkpoints, tmp_path):
 def test_plain_checkpoint_loads_rank_locally(pools, checkpoints):
     src, _ = checkpoints
     _check(pools(2).run(cases.rank_local_load, str(src), 1, 2, str(src)))
+
+
+def test_a_rank_that_cannot_load_stops_every_rank(pools, tmp_path):
+    src = save_source("mixtral", tmp_path / "src")
+    ep2 = hep.convert_checkpoint(src, tmp_path / "ep2", ep_degree=2, progress=False)
+    results = pools(2).run(cases.load_with_a_missing_file, str(ep2), 1)
+    assert all(r["alive"] for r in results)
+    assert "missing checkpoint file" in results[1]["message"] and "rank001-of-002" in results[1]["message"]
+    assert "failed on rank(s) [1]" in results[0]["message"]
