@@ -167,7 +167,13 @@ class ExpertParallelLayer:
 
         Collective over the EP group (every EP group holds every expert; replicas are identical).
         """
-        local = getattr(self.module, pname).detach()
+        return self.gather_rows(getattr(self.module, pname))
+
+    @torch.no_grad()
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """Assemble per-slot rows ``[S_local, ...]`` (a parameter, its gradient or optimizer state) into
+        ``[E, ...]`` in global expert order. Collective over the EP group."""
+        local = local.detach()
         ep, slots = self.table.ep_degree, self.table.slots_per_rank
         padded = local.new_zeros((slots, *local.shape[1:]))
         padded[: local.shape[0]] = local

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +72,8 @@ class GradientReducer:
         self.expert_norm_weights = expert_norm_weights
         self.reduce_dense = reduce_dense
         self.enabled = True
+        # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
+        self.sync_predicate: Callable[[], bool] | None = None
         self.stats = ReducerStats()
         self._queued = False
         self._handles = [
@@ -93,7 +95,9 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ reduction
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        if self.enabled and not self._queued and self.mesh.world_size > 1:
+        if not self.enabled or self._queued or self.mesh.world_size == 1:
+            return
+        if self.sync_predicate is None or self.sync_predicate():
             self._queued = True
             Variable._execution_engine.queue_callback(self._reduce_all)
 

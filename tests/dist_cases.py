@@ -449,3 +449,23 @@ def load_with_a_missing_file(ckpt: str, bad_rank: int) -> dict:
     flag = torch.ones(1)
     dist.all_reduce(flag)
     return {"message": message, "alive": flag.item() == dist.get_world_size()}
+
+
+def trainer_run(
+    dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
+    resume_from: str | None = None,
+) -> dict:
+    """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
+    import trainer_cases as tc
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    trainer = HybridEPTrainer(
+        model=model, args=tc.arguments(output_dir, 2, max_steps, save_steps), train_dataset=tc.dataset()
+    )
+    trainer.train(resume_from_checkpoint=resume_from)
+    stats = hep.comm_stats(model)["gradient_reduction"]
+    wrapped = type(trainer.model_wrapped).__name__
+    return {"losses": tc.losses(trainer), "dense_bytes": stats["dense_bytes"], "wrapped": wrapped,
+            "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]}

@@ -150,7 +150,8 @@ def load_rank_local_(
     dtype: torch.dtype | None = None,
     fetch: Callable[[str], Path] | None = None,
 ) -> None:
-    """Replace every meta parameter of ``model`` (already sharded) by its checkpoint value.
+    """Fill every parameter of ``model`` (already sharded) from the checkpoint: meta parameters are
+    replaced, live ones (a resume) are copied into in place.
 
     ``fetch(name)``, if given, returns the local path of weight file ``name`` (downloading it): only
     files holding a needed key are asked for.
@@ -176,6 +177,9 @@ def load_rank_local_(
                 )
             if name in buffers:
                 buffers[name].copy_(value.to(buffers[name].dtype))
+                continue
+            if not current.is_meta:  # loading into a live model (resume): keep the parameter objects
+                current.data.copy_(value.to(current.dtype))
                 continue
             if dtype is not None and value.dtype.is_floating_point:
                 value = value.to(dtype)

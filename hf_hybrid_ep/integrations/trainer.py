@@ -1,0 +1,111 @@
+"""The stock ``transformers.Trainer`` loop on a hybrid-EP model.
+
+:class:`HybridEPTrainer` changes only what hybrid EP needs; the training loop is transformers' own:
+
+* Accelerate wraps the model in torch DDP, which reduces the dense gradients; the experts are on
+  DDP's ignore list and the engine reduces them over their EDP groups, only on steps where
+  ``accelerator.sync_gradients`` is true. Nothing is reduced twice.
+* gradient clipping and the logged gradient norm are the true global norm over all shards;
+* checkpoints: the model as an expert-sharded hybrid-EP checkpoint (vanilla-loadable), the optimizer
+  state keyed by parameter name and global expert id, so ``resume_from_checkpoint`` works at the same
+  or another EP degree; scheduler and RNG state as the Trainer writes them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
+from torch import nn
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from ..checkpoint.convert import convert_checkpoint
+from ..checkpoint.load import load_rank_local_
+from ..grads import clip_grad_norm_
+from ..parallelize import state_of
+from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
+
+_MULTI_PROCESS = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+
+
+def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str]) -> Path:
+    """Write ``model`` as a hybrid-EP checkpoint laid out for its EP degree. Collective.
+
+    The experts are gathered over each EP group, rank 0 writes a vanilla checkpoint to a temporary
+    sibling and converts it (streaming) into ``output_dir``.
+    """
+    output_dir = Path(output_dir)
+    mesh = state_of(model).mesh
+    staging = output_dir.parent / f".{output_dir.name}.plain-tmp"
+    if mesh.rank == 0 and staging.exists():
+        shutil.rmtree(staging)
+    model.save_pretrained(staging)  # collective: gathers experts, rank 0 writes
+    if mesh.rank == 0:
+        try:
+            convert_checkpoint(staging, output_dir, ep_degree=mesh.ep_degree, progress=False)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if mesh.world_group is not None:
+        dist.barrier()
+    return output_dir
+
+
+class HybridEPTrainer(Trainer):
+    """``transformers.Trainer`` for a model prepared with :func:`hf_hybrid_ep.parallelize`."""
+
+    def __init__(self, model: nn.Module, *args, **kwargs) -> None:
+        state = state_of(model)
+        super().__init__(model, *args, **kwargs)
+        reducer = state.reducer
+        if self.accelerator.distributed_type in _MULTI_PROCESS:
+            reducer.reduce_dense = False  # DDP reduces the dense gradients
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, state.expert_parameter_names(model)
+            )
+        reducer.sync_predicate = lambda: self.accelerator.sync_gradients
+
+    @property
+    def hybrid_model(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
+    # ------------------------------------------------------------------ gradients
+    def _clip_grad_norm(self, model):
+        return clip_grad_norm_(self.hybrid_model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = state_of(self.hybrid_model).reducer.global_grad_norm()
+        return grad_norm
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_hybrid_checkpoint(self.hybrid_model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_optimizer_state(self.hybrid_model, self.optimizer, output_dir)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        model = self.hybrid_model if model is None else self.accelerator.unwrap_model(model)
+        load_rank_local_(Path(resume_from_checkpoint), model, state_of(model).layers)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if not os.path.isfile(os.path.join(checkpoint, META_NAME)):
+            raise FileNotFoundError(f"{checkpoint} has no hybrid-EP optimizer state ({META_NAME})")
+        load_optimizer_state(self.hybrid_model, self.optimizer, checkpoint)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
