@@ -22,8 +22,11 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
 
+# The embedded demo through the real launcher: 2 CPU processes (gloo). `--cpu --num_processes N`
+# would silently start one process; ACCELERATE_USE_CPU=1 with --multi_gpu starts N on the CPU.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_train.py
+	ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 \
+		--num_machines 1 --mixed_precision no --dynamo_backend no scripts/train.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

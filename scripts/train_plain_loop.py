@@ -1,11 +1,11 @@
-"""A small hybrid-EP training loop on CPU: `make demo` (torchrun, 2 processes, gloo).
+"""The engine in a plain PyTorch loop, without the Trainer (torchrun, 2 CPU processes, gloo).
 
 Builds a tiny Qwen3-MoE from its config (nothing downloaded), shards its experts with
 ``hf_hybrid_ep.parallelize`` and trains it with a plain PyTorch loop: gradient accumulation under
 ``no_sync``, global-norm clipping, AdamW. Rank 0 reports loss, gradient norm and what the dispatcher
 moved; at the end it checks the run against one process training the full model on the global batch.
 
-    torchrun --standalone --nproc_per_node 2 scripts/demo_train.py --ep_degree 2 --steps 20
+    torchrun --standalone --nproc_per_node 2 scripts/train_plain_loop.py --ep_degree 2 --steps 20
 """
 
 from __future__ import annotations

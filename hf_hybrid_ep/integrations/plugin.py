@@ -1,0 +1,121 @@
+"""``HybridEPPlugin``: hybrid-EP settings for an Accelerate/Trainer run, from a file, the environment and flags.
+
+Accelerate's own config file refuses unknown keys, so hybrid-EP settings live in a separate YAML
+(``--hybrid_ep_config FILE``), the ``HF_HYBRID_EP_*`` environment twins, and command-line flags, with
+precedence flags > environment > file. The file accepts::
+
+    hybrid_ep:
+      dp_degree: 4
+      ep_degree: 2
+      microbatch_size: 8            # -> TrainingArguments.per_device_train_batch_size
+      gradient_accumulation: 4      # -> TrainingArguments.gradient_accumulation_steps
+      optimizer: {type: AdamW, lr: 6.0e-5, weight_decay: 0.01}   # -> optim, learning_rate, weight_decay
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import ENV_PREFIX, HybridEPConfig, HybridEPConfigError
+
+TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
+OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
+OPTIMIZER_KEYS = {"lr": "learning_rate", "learning_rate": "learning_rate", "weight_decay": "weight_decay",
+                  "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon"}
+
+
+def _engine_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(HybridEPConfig) if not f.name.startswith("_")]
+
+
+def _env_values() -> dict[str, Any]:
+    import yaml
+
+    values = {}
+    for f in _engine_fields():
+        raw = os.environ.get(ENV_PREFIX + f.name.upper())
+        if raw not in (None, ""):
+            values[f.name] = yaml.safe_load(raw)  # "2" -> 2, "false" -> False, "[[0, 1]]" -> list
+    return values
+
+
+@dataclass
+class HybridEPPlugin:
+    """The hybrid-EP part of a training run: the engine config plus the training settings it carries."""
+
+    config: HybridEPConfig = field(default_factory=HybridEPConfig)
+    microbatch_size: int | None = None
+    gradient_accumulation: int | None = None
+    optimizer: dict[str, Any] | None = None
+
+    @classmethod
+    def from_sources(
+        cls, file: str | os.PathLike[str] | None = None, flags: Mapping[str, Any] | None = None
+    ) -> HybridEPPlugin:
+        """Merge file < environment < flags (``None`` flags are "not given")."""
+        data: dict[str, Any] = {}
+        if file is not None:
+            import yaml
+
+            path = Path(file)
+            if not path.is_file():
+                raise HybridEPConfigError(f"hybrid-EP config file {str(path)!r} does not exist")
+            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = loaded.get("hybrid_ep", loaded) if isinstance(loaded, Mapping) else loaded
+            if not isinstance(loaded, Mapping):
+                raise HybridEPConfigError(f"{str(path)!r} must hold a mapping (optionally under 'hybrid_ep:')")
+            data.update(loaded)
+        data.update(_env_values())
+        data.update({k: v for k, v in (flags or {}).items() if v is not None})
+        known = {f.name for f in _engine_fields()} | set(TRAINING_KEYS) | {"optimizer"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise HybridEPConfigError(f"unknown hybrid-EP setting(s) {unknown}; known: {sorted(known)}")
+        engine = {k: v for k, v in data.items() if k in {f.name for f in _engine_fields()}}
+        config = HybridEPConfig(**engine, _env_applied=True)
+        return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"))
+
+    def training_overrides(self) -> dict[str, Any]:
+        """The ``TrainingArguments`` fields this plugin sets."""
+        out: dict[str, Any] = {}
+        for key, arg in TRAINING_KEYS.items():
+            if getattr(self, key) is not None:
+                out[arg] = getattr(self, key)
+        if self.optimizer:
+            opt = dict(self.optimizer)
+            kind = str(opt.pop("type", "AdamW"))
+            if kind.lower() not in OPTIMIZERS:
+                raise HybridEPConfigError(f"optimizer type {kind!r} is not supported; use one of {sorted(OPTIMIZERS)}")
+            out["optim"] = OPTIMIZERS[kind.lower()]
+            for key, value in opt.items():
+                if key not in OPTIMIZER_KEYS:
+                    raise HybridEPConfigError(f"optimizer setting {key!r} is unknown; known: {sorted(OPTIMIZER_KEYS)}")
+                out[OPTIMIZER_KEYS[key]] = value
+        return out
+
+    def apply_to(self, training_args, explicit: Iterable[str] = ()) -> None:
+        """Set the plugin's training settings on ``training_args``.
+
+        Args:
+            explicit: names of ``TrainingArguments`` fields the user gave explicitly; a plugin value that
+                differs from one of those is an error naming both.
+        """
+        explicit = set(explicit)
+        for arg, value in self.training_overrides().items():
+            current = getattr(training_args, arg)
+            if arg in explicit and current != value:
+                raise HybridEPConfigError(
+                    f"--{arg}={current!r} conflicts with the hybrid-EP setting that maps to it ({value!r}); "
+                    "give it in one place"
+                )
+            setattr(training_args, arg, value)
+
+
+def explicit_flags(argv: Iterable[str]) -> set[str]:
+    """Field names given as ``--name`` or ``--name=value`` on a command line."""
+    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}

@@ -1,0 +1,195 @@
+"""Train a Mixture-of-Experts model with hybrid expert parallelism and the stock transformers Trainer.
+
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 scripts/train.py   # CPU demo
+    accelerate launch --num_processes 8 scripts/train.py --model_name_or_path Qwen/Qwen3-30B-A3B \
+        --dataset_name wikitext --dataset_config_name wikitext-2-raw-v1 --hybrid_ep_config ep.yaml \
+        --output_dir runs/qwen3 --bf16 --max_steps 1000
+
+With no arguments it runs the embedded demo: a tiny Qwen3-MoE built from
+``scripts/demo_assets/config.json``, a byte-level BPE tokenizer trained on the spot, and the Python
+documentation topics that ship with every Python (``pydoc_data.topics``) as the corpus; it writes
+``runs/demo/``. Thin by design: argument parsing, data preparation, then library calls.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset, load_dataset
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    PreTrainedTokenizerFast,
+    TrainingArguments,
+)
+
+import hf_hybrid_ep as hep
+from hf_hybrid_ep.integrations import HybridEPTrainer
+from hf_hybrid_ep.integrations.plugin import HybridEPPlugin, explicit_flags
+
+ASSETS = Path(__file__).resolve().parent / "demo_assets"
+DEMO_ARGS = [
+    "--output_dir", "runs/demo", "--max_steps", "30", "--per_device_train_batch_size", "8",
+    "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--warmup_steps", "3",
+    "--logging_steps", "5", "--save_steps", "30", "--max_grad_norm", "1.0", "--report_to", "none",
+    "--block_size", "64",
+]
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Hub id, local HF directory or hybrid-EP checkpoint; default: the tiny demo MoE"},
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "default: the model's, or a demo BPE"})
+    dtype: str | None = field(default=None, metadata={"help": "bf16, fp16 or fp32 weights (default: checkpoint's)"})
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "a datasets Hub dataset"})
+    dataset_config_name: str | None = field(default=None)
+    train_file: str | None = field(default=None, metadata={"help": "a local .txt/.json/.csv file"})
+    text_column: str = field(default="text")
+    block_size: int = field(default=256, metadata={"help": "tokens per packed training sequence"})
+    max_train_samples: int | None = field(default=None)
+
+
+@dataclass
+class HybridEPArguments:
+    hybrid_ep_config: str | None = field(default=None, metadata={"help": "YAML file with a hybrid_ep: block"})
+    dp_degree: int | None = field(default=None)
+    ep_degree: int | None = field(default=None)
+    dispatcher: str | None = field(default=None)
+
+
+def demo_corpus() -> Dataset:
+    import pydoc_data.topics
+
+    return Dataset.from_dict({"text": list(pydoc_data.topics.topics.values())})
+
+
+def demo_tokenizer(corpus: Dataset, save_dir: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on the demo corpus (no download), vocabulary matching the demo config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    vocab = AutoConfig.from_pretrained(ASSETS).vocab_size
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus["text"], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(save_dir)
+    return fast
+
+
+def pack(dataset: Dataset, tokenizer, block_size: int, text_column: str) -> Dataset:
+    """Tokenize and concatenate every text, then cut into ``block_size`` blocks (the remainder is dropped)."""
+
+    def tokenize(batch):
+        return tokenizer([t + tokenizer.eos_token for t in batch[text_column]])
+
+    def group(batch):
+        ids = list(chain.from_iterable(batch["input_ids"]))
+        n = len(ids) // block_size * block_size
+        return {"input_ids": [ids[i : i + block_size] for i in range(0, n, block_size)]}
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="tokenize")
+    return tokenized.map(group, batched=True, remove_columns=tokenized.column_names, desc="pack")
+
+
+def build_model(args: ModelArguments, plugin: HybridEPPlugin, seed: int):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype or "")
+    if args.model_name_or_path is None:
+        torch.manual_seed(seed)  # identical on every rank
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS))
+        return hep.parallelize(model, plugin.config)
+    # Hub id, local HF checkpoint or hybrid-EP checkpoint: each rank reads dense weights and its experts.
+    return hep.from_pretrained(args.model_name_or_path, plugin.config, dtype=dtype)
+
+
+def summary(trainer, metrics: dict, model, block_size: int) -> None:
+    """Final loss, tokens/s and peak memory per rank (printed by rank 0)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        kind = "GPU MiB allocated"
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        kind = "MiB RSS"
+    peaks = [peak]
+    if dist.is_initialized():
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+    if trainer.is_world_process_zero():
+        mesh = hep.state_of(model).mesh
+        tokens_per_s = metrics.get("train_samples_per_second", 0.0) * block_size
+        print(f"\nhybrid EP dp={mesh.dp_degree} × ep={mesh.ep_degree}; final train loss "
+              f"{metrics.get('train_loss', float('nan')):.4f}; {tokens_per_s:.0f} tokens/s (all ranks)")
+        print(f"peak memory per rank ({kind}): " + ", ".join(f"{p:.0f}" for p in peaks))
+
+
+def main(argv: list[str]) -> None:
+    argv = argv or DEMO_ARGS
+    parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, TrainingArguments))
+    model_args, data_args, ep_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if not torch.cuda.is_available():
+        training_args.use_cpu = True
+    plugin = HybridEPPlugin.from_sources(
+        ep_args.hybrid_ep_config,
+        {"dp_degree": ep_args.dp_degree, "ep_degree": ep_args.ep_degree, "dispatcher": ep_args.dispatcher},
+    )
+    plugin.apply_to(training_args, explicit=explicit_flags(argv))
+
+    if data_args.dataset_name:
+        raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")
+    elif data_args.train_file:
+        kind = Path(data_args.train_file).suffix.lstrip(".").replace("txt", "text")
+        raw = load_dataset(kind, data_files=data_args.train_file, split="train")
+    else:
+        raw = demo_corpus()
+    if data_args.max_train_samples:
+        raw = raw.select(range(min(len(raw), data_args.max_train_samples)))
+
+    out = Path(training_args.output_dir)
+    with training_args.main_process_first(desc="tokenizer and dataset"):
+        if model_args.tokenizer_name or model_args.model_name_or_path:
+            tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+        elif training_args.process_index == 0 or not (out / "tokenizer").is_dir():
+            tokenizer = demo_tokenizer(raw, out / "tokenizer")
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        train = pack(raw, tokenizer, data_args.block_size, data_args.text_column)
+
+    model = build_model(model_args, plugin, training_args.seed)
+    trainer = HybridEPTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    summary(trainer, result.metrics, model, data_args.block_size)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()  # gloo aborts at exit otherwise
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(sys.argv[1:])
