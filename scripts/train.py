@@ -72,6 +72,9 @@ class HybridEPArguments:
     dp_degree: int | None = field(default=None)
     ep_degree: int | None = field(default=None)
     dispatcher: str | None = field(default=None)
+    verify_sync_steps: int = field(
+        default=0, metadata={"help": "every N steps, check that all replicas are bit-identical (0: off)"}
+    )
 
 
 def demo_corpus() -> Dataset:
@@ -182,6 +185,7 @@ def main(argv: list[str]) -> None:
         train_dataset=train,
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        verify_sync_steps=ep_args.verify_sync_steps,
     )
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     summary(trainer, result.metrics, model, data_args.block_size)

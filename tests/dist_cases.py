@@ -453,7 +453,7 @@ def load_with_a_missing_file(ckpt: str, bad_rank: int) -> dict:
 
 def trainer_run(
     dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
-    resume_from: str | None = None,
+    resume_from: str | None = None, verify_sync_steps: int = 0, **extra_args,
 ) -> dict:
     """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
     import trainer_cases as tc
@@ -461,11 +461,70 @@ def trainer_run(
     from hf_hybrid_ep.integrations import HybridEPTrainer
 
     model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    args = tc.arguments(output_dir, 2, max_steps, save_steps, **extra_args)
     trainer = HybridEPTrainer(
-        model=model, args=tc.arguments(output_dir, 2, max_steps, save_steps), train_dataset=tc.dataset()
+        model=model, args=args, train_dataset=tc.dataset(), verify_sync_steps=verify_sync_steps
     )
     trainer.train(resume_from_checkpoint=resume_from)
     stats = hep.comm_stats(model)["gradient_reduction"]
     wrapped = type(trainer.model_wrapped).__name__
     return {"losses": tc.losses(trainer), "dense_bytes": stats["dense_bytes"], "wrapped": wrapped,
             "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]}
+
+
+def replica_check(corrupt: str | None, corrupt_rank: int) -> dict:
+    """verify_replicas on a (2, 2) layout after a training step; optionally corrupt one replica."""
+    from hf_hybrid_ep.consistency import ReplicaDivergenceError, verify_replicas
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=2, ep_degree=2))
+    model(**_rank_slice(_global_inputs(ref, world, seed=1), rank)).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    if corrupt is not None and rank == corrupt_rank:
+        with torch.no_grad():
+            dict(model.named_parameters())[corrupt].view(-1)[0] += 1e-6
+    try:
+        verify_replicas(model)
+    except ReplicaDivergenceError as err:
+        return {"message": str(err)}
+    return {"message": ""}
+
+
+def fp16_overflow_agreement(agree: bool) -> dict:
+    """An overflow in one rank's expert gradients must skip the optimizer step on every rank."""
+    from hf_hybrid_ep.amp import agree_found_inf_
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(**_rank_slice(_global_inputs(ref, world, seed=2), rank)).loss).backward()
+    if rank == 0:  # an overflow confined to rank 0's experts (their EDP group is rank 0 alone)
+        hep.state_of(model).layers[0].expert_parameters()[0].grad[0, 0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    skipped = agree_found_inf_(scaler, opt, model) if agree else None
+    scaler.step(opt)
+    scaler.update()
+    changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+    return {"skipped": skipped, "changed": changed, "scale": scaler.get_scale()}
+
+
+def trainer_eval(dp: int, ep: int, output_dir: str, num: int, hybrid: bool = True) -> dict:
+    """Evaluation on a set that does not split evenly over the ranks (every rank runs as many passes).
+
+    ``hybrid=False`` runs the plain Trainer (DDP) on the unsharded model, for comparison.
+    """
+    import trainer_cases as tc
+    from transformers import Trainer
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    args = tc.arguments(output_dir, 2, 1, per_device_eval_batch_size=2)
+    if hybrid:
+        model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+        trainer = HybridEPTrainer(model=model, args=args, eval_dataset=tc.dataset(num))
+    else:
+        trainer = Trainer(model=tc.model(), args=args, eval_dataset=tc.dataset(num))
+    return {"eval_loss": trainer.evaluate()["eval_loss"]}

@@ -24,6 +24,7 @@ def test_accelerate_launch_trains_and_saves(tmp_path):
         "--output_dir", str(out), "--max_steps", "12", "--per_device_train_batch_size", "8",
         "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--logging_steps", "3",
         "--save_steps", "12", "--report_to", "none", "--block_size", "64", "--ep_degree", "2",
+        "--verify_sync_steps", "4",
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -43,3 +43,31 @@ def test_saved_checkpoint_loads_in_vanilla_transformers(pools, tmp_path):
     pools(2).run(cases.trainer_run, 1, 2, str(tmp_path / "run"), 2, 2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2")
     assert torch.isfinite(model(input_ids=torch.randint(3, 100, (1, 8))).logits).all()
+
+
+def test_gradient_checkpointing_matches_single_process(pools, tmp_path):
+    want = tc.reference_losses(str(tmp_path / "ref"), world=4, max_steps=3)
+    results = pools(4).run(cases.trainer_run, 2, 2, str(tmp_path / "gc"), 3, gradient_checkpointing=True)
+    for r in results:
+        assert _rel(r["losses"], want) <= cases.REL_TOL, (r["losses"], want)
+
+
+def test_bf16_autocast_with_the_replica_check(pools, tmp_path):
+    results = pools(2).run(cases.trainer_run, 1, 2, str(tmp_path / "bf16"), 4, verify_sync_steps=2, bf16=True)
+    for r in results:
+        assert len(r["losses"]) == 4 and all(x == x and x < 10 for x in r["losses"]), r
+
+
+def test_evaluation_on_an_uneven_split(pools, tmp_path):
+    # 7 sequences over 2 ranks × batch 2: Accelerate pads the last batch with repeated samples so every
+    # rank runs the same number of forward passes (the EP exchange needs all of them). The padding
+    # makes the last batch's mean loss differ from a single process's, exactly as for plain DDP, so
+    # the reference here is the plain (DDP) Trainer on the unsharded model; an even split matches the
+    # single-process evaluation.
+    pool = pools(2)
+    plain = pool.run(cases.trainer_eval, 1, 2, str(tmp_path / "ddp"), 7, False)[0]["eval_loss"]
+    for r in pool.run(cases.trainer_eval, 1, 2, str(tmp_path / "eval"), 7):
+        assert abs(r["eval_loss"] - plain) / plain <= cases.REL_TOL, (r, plain)
+    single = tc.reference_eval_loss(str(tmp_path / "ref"), 8)
+    for r in pool.run(cases.trainer_eval, 1, 2, str(tmp_path / "even"), 8):
+        assert abs(r["eval_loss"] - single) / single <= cases.REL_TOL, (r, single)

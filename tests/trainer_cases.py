@@ -17,7 +17,9 @@ def dataset(num: int = 128) -> Dataset:
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
-def arguments(output_dir: str, per_device: int, max_steps: int, save_steps: int | None = None) -> TrainingArguments:
+def arguments(
+    output_dir: str, per_device: int, max_steps: int, save_steps: int | None = None, **extra
+) -> TrainingArguments:
     return TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=per_device,
@@ -35,6 +37,7 @@ def arguments(output_dir: str, per_device: int, max_steps: int, save_steps: int 
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **extra,
     )
 
 
@@ -49,8 +52,15 @@ def losses(trainer: Trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def reference_losses(output_dir: str, world: int, per_rank: int = 2, max_steps: int = 6) -> list[float]:
+def reference_losses(output_dir: str, world: int, per_rank: int = 2, max_steps: int = 6, **extra) -> list[float]:
     """One process training the full model on the global batches (per-device batch = world × per_rank)."""
-    trainer = Trainer(model=model(), args=arguments(output_dir, world * per_rank, max_steps), train_dataset=dataset())
+    args = arguments(output_dir, world * per_rank, max_steps, **extra)
+    trainer = Trainer(model=model(), args=args, train_dataset=dataset())
     trainer.train()
     return losses(trainer)
+
+
+def reference_eval_loss(output_dir: str, num: int) -> float:
+    trainer = Trainer(model=model(), args=arguments(output_dir, 2, 1, per_device_eval_batch_size=2),
+                      eval_dataset=dataset(num))
+    return trainer.evaluate()["eval_loss"]

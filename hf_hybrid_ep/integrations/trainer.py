@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
+from ..amp import agree_found_inf_
 from ..checkpoint.convert import convert_checkpoint
 from ..checkpoint.load import load_rank_local_
+from ..consistency import verify_replicas
 from ..grads import clip_grad_norm_
 from ..parallelize import state_of
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
@@ -72,12 +74,33 @@ def _move_into(src: Path, dst: Path) -> None:
         (dst / name).unlink()
 
 
-class HybridEPTrainer(Trainer):
-    """``transformers.Trainer`` for a model prepared with :func:`hf_hybrid_ep.parallelize`."""
+class _HybridEPCallback(TrainerCallback):
+    """fp16 overflow agreement before every optimizer step; the replica check every N steps."""
 
-    def __init__(self, model: nn.Module, *args, **kwargs) -> None:
+    def __init__(self, trainer: HybridEPTrainer, verify_sync_steps: int) -> None:
+        self.trainer = trainer
+        self.verify_sync_steps = verify_sync_steps
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._agree_overflow()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.verify_sync_steps and state.global_step % self.verify_sync_steps == 0:
+            verify_replicas(self.trainer.hybrid_model)
+
+
+class HybridEPTrainer(Trainer):
+    """``transformers.Trainer`` for a model prepared with :func:`hf_hybrid_ep.parallelize`.
+
+    Args:
+        verify_sync_steps: every this many optimizer steps, check that every replicated tensor is
+            bit-identical across its replicas (0: never); a divergence names the parameter and ranks.
+    """
+
+    def __init__(self, model: nn.Module, *args, verify_sync_steps: int = 0, **kwargs) -> None:
         state = state_of(model)
         super().__init__(model, *args, **kwargs)
+        self.add_callback(_HybridEPCallback(self, verify_sync_steps))
         reducer = state.reducer
         if self.accelerator.distributed_type in _MULTI_PROCESS:
             reducer.reduce_dense = False  # DDP reduces the dense gradients
@@ -91,7 +114,14 @@ class HybridEPTrainer(Trainer):
         return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     # ------------------------------------------------------------------ gradients
+    def _agree_overflow(self) -> None:
+        """With fp16 loss scaling, skip the step on every rank if any rank overflowed."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            agree_found_inf_(scaler, getattr(self.optimizer, "optimizer", self.optimizer), self.hybrid_model)
+
     def _clip_grad_norm(self, model):
+        self._agree_overflow()  # unscales first, as accelerator.clip_grad_norm_ would
         return clip_grad_norm_(self.hybrid_model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
