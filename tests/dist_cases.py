@@ -528,3 +528,47 @@ def trainer_eval(dp: int, ep: int, output_dir: str, num: int, hybrid: bool = Tru
     else:
         trainer = Trainer(model=tc.model(), args=args, eval_dataset=tc.dataset(num))
     return {"eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def accelerate_loop(dp: int, ep: int, state_dir: str, steps: int, save_at: int | None = None,
+                    resume: bool = False) -> dict:
+    """A hand-written Accelerate loop (accumulate 2, clipping, a scheduler) with save_state/load_state."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import set_seed
+
+    from hf_hybrid_ep.integrations.accelerator import load_state, prepare_accelerator, save_state
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    prepare_accelerator(accelerator, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    wrapped, opt, sched = accelerator.prepare(model, opt, sched)
+    start = 0
+    if resume:
+        load_state(accelerator, wrapped, opt, state_dir, schedulers=[sched])
+        start = save_at
+    set_seed(0)
+    losses = []
+    for step in range(start, steps):
+        for micro in range(2):
+            batch = _rank_slice(_global_inputs(ref, world, seed=100 * step + micro), rank)
+            with accelerator.accumulate(wrapped):
+                loss = wrapped(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    hep.clip_grad_norm_(model, 0.5)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        if save_at is not None and not resume and step + 1 == save_at:
+            save_state(accelerator, wrapped, opt, state_dir, schedulers=[sched])
+    return {"losses": losses, "dense_bytes": hep.comm_stats(model)["gradient_reduction"]["dense_bytes"]}

@@ -71,3 +71,14 @@ def test_evaluation_on_an_uneven_split(pools, tmp_path):
     single = tc.reference_eval_loss(str(tmp_path / "ref"), 8)
     for r in pool.run(cases.trainer_eval, 1, 2, str(tmp_path / "even"), 8):
         assert abs(r["eval_loss"] - single) / single <= cases.REL_TOL, (r, single)
+
+
+def test_accelerate_save_state_load_state_at_another_ep_degree(pools, tmp_path):
+    pool = pools(4)
+    full = pool.run(cases.accelerate_loop, 2, 2, str(tmp_path / "state"), 4, 2)
+    assert all(r["dense_bytes"] == 0 for r in full), "DDP reduces dense gradients, not the engine"
+    assert (tmp_path / "state" / "model" / "model.safetensors.index.json").is_file()
+    for dp, ep in [(2, 2), (4, 1), (1, 4)]:
+        resumed = pool.run(cases.accelerate_loop, dp, ep, str(tmp_path / "state"), 4, 2, True)
+        for r in resumed:
+            assert _rel(r["losses"], full[0]["losses"][4:]) <= cases.REL_TOL, (ep, r["losses"], full[0]["losses"])

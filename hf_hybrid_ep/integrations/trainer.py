@@ -14,64 +14,21 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..amp import agree_found_inf_
-from ..checkpoint.convert import convert_checkpoint
 from ..checkpoint.load import load_rank_local_
+from ..checkpoint.save import save_hybrid_checkpoint
 from ..consistency import verify_replicas
 from ..grads import clip_grad_norm_
 from ..parallelize import state_of
+from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
-
-_MULTI_PROCESS = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
-
-
-def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str]) -> Path:
-    """Write ``model`` as a hybrid-EP checkpoint laid out for its EP degree. Collective.
-
-    The experts are gathered over each EP group; rank 0 writes a vanilla checkpoint to a temporary
-    sibling, converts it (streaming) into a second one, and moves the files into ``output_dir``
-    (which may hold other files, e.g. a run directory): weight files first, the index last, then
-    stale weight files of an earlier save are removed.
-    """
-    output_dir = Path(output_dir)
-    mesh = state_of(model).mesh
-    staging = output_dir.parent / f".{output_dir.name}.plain-tmp"
-    converted = output_dir.parent / f".{output_dir.name}.hybrid-tmp"
-    if mesh.rank == 0:
-        for d in (staging, converted):
-            shutil.rmtree(d, ignore_errors=True)
-    model.save_pretrained(staging)  # collective: gathers experts, rank 0 writes
-    if mesh.rank == 0:
-        try:
-            convert_checkpoint(staging, converted, ep_degree=mesh.ep_degree, progress=False)
-            _move_into(converted, output_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.rmtree(converted, ignore_errors=True)
-    if mesh.world_group is not None:
-        dist.barrier()
-    return output_dir
-
-
-def _move_into(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    stale = {p.name for p in dst.glob("model*.safetensors")}
-    new = sorted(p.name for p in src.iterdir())
-    index = "model.safetensors.index.json"
-    for name in [n for n in new if n != index] + [index]:
-        os.replace(src / name, dst / name)
-    for name in stale - set(new):
-        (dst / name).unlink()
 
 
 class _HybridEPCallback(TrainerCallback):
@@ -98,16 +55,10 @@ class HybridEPTrainer(Trainer):
     """
 
     def __init__(self, model: nn.Module, *args, verify_sync_steps: int = 0, **kwargs) -> None:
-        state = state_of(model)
+        state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
         super().__init__(model, *args, **kwargs)
         self.add_callback(_HybridEPCallback(self, verify_sync_steps))
-        reducer = state.reducer
-        if self.accelerator.distributed_type in _MULTI_PROCESS:
-            reducer.reduce_dense = False  # DDP reduces the dense gradients
-            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, state.expert_parameter_names(model)
-            )
-        reducer.sync_predicate = lambda: self.accelerator.sync_gradients
+        prepare_accelerator(self.accelerator, model)
 
     @property
     def hybrid_model(self) -> nn.Module:
