@@ -160,7 +160,28 @@ def parallelize(
     reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=config.reduce_dense_gradients)
     model._hybrid_ep = HybridEPState(config, mesh, layers, reducer)
     _wrap_save_pretrained(model)
+    _wrap_generate(model)
     return model
+
+
+def _wrap_generate(model: nn.Module) -> None:
+    """Make ``model.generate`` keep every rank stepping until all ranks are done (``synced_gpus``).
+
+    Every decoding step runs the all-to-all, so a rank that stops early (EOS, a shorter
+    ``max_new_tokens``) must keep running forward passes until the others finish: transformers does
+    exactly that with ``synced_gpus=True``, which becomes the default here when the world has more
+    than one rank.
+    """
+    original = getattr(model, "generate", None)
+    if original is None or state_of(model).mesh.world_group is None:
+        return
+
+    def generate(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return original(*args, **kwargs)
+
+    generate.__doc__ = original.__doc__
+    model.generate = generate
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

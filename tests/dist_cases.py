@@ -572,3 +572,18 @@ def accelerate_loop(dp: int, ep: int, state_dir: str, steps: int, save_at: int |
         if save_at is not None and not resume and step + 1 == save_at:
             save_state(accelerator, wrapped, opt, state_dir, schedulers=[sched])
     return {"losses": losses, "dense_bytes": hep.comm_stats(model)["gradient_reduction"]["dense_bytes"]}
+
+
+def generate_uneven(max_new_tokens_by_rank: list[int]) -> dict:
+    """Ranks ask for different numbers of new tokens: nobody hangs, each matches the reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    model.eval()
+    ref.eval()
+    prompt = _rank_slice(_global_inputs(ref, world, seed=9), rank)["input_ids"][:, :4]
+    n = max_new_tokens_by_rank[rank]
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    got = model.generate(prompt, **kw)
+    want = ref.generate(prompt, **kw)
+    return {"equal": bool(torch.equal(got, want)), "length": got.shape[1]}

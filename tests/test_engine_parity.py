@@ -126,3 +126,9 @@ def test_bf16_forward(pools, family):
 def test_inf_norm_clipping(pools):
     for r in pools(2).run(cases.inf_norm, "olmoe", 2, 4):
         assert r["rel"] <= cases.REL_TOL, r
+
+
+def test_generate_with_different_lengths_per_rank(pools):
+    results = pools(2).run(cases.generate_uneven, [2, 5])
+    assert [r["length"] for r in results] == [6, 9]
+    assert all(r["equal"] for r in results)
