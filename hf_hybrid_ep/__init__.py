@@ -12,7 +12,7 @@ from .experts import find_experts_modules, is_fused_experts
 from .grads import clip_grad_norm_, no_sync
 from .hub import push_to_hub
 from .mesh import HybridMesh, build_mesh
-from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, state_of
+from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, routing_step, state_of
 
 __version__ = "0.1.0"
 
@@ -35,5 +35,6 @@ __all__ = [
     "no_sync",
     "parallelize",
     "reset_comm_stats",
+    "routing_step",
     "state_of",
 ]

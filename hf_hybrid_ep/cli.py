@@ -1,4 +1,4 @@
-"""``hf-hybrid-ep``: convert, reshard, export and inspect expert-sharded checkpoints."""
+"""``hf-hybrid-ep``: convert, reshard, export and inspect expert-sharded checkpoints; plot expert load."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
 
+    p = sub.add_parser("report", help="plots and a summary of an expert_load.jsonl")
+    p.add_argument("stats", help="expert_load.jsonl written during training")
+    p.add_argument("--out", required=True, help="directory for the PNG plots and summary.txt")
+
     p = sub.add_parser("inspect", help="layers, experts, ranks and bytes per file")
     p.add_argument("ckpt")
     p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum")
@@ -59,10 +63,15 @@ def main(argv: list[str] | None = None) -> int:
             dropped = export_checkpoint(args.ckpt, args.out)
             print(f"wrote {args.out}")
             print("dropped side state: " + (", ".join(dropped) if dropped else "none"))
+        elif args.command == "report":
+            from .metrics import write_report
+
+            for path in write_report(args.stats, args.out):
+                print(f"wrote {path}")
         elif args.command == "inspect":
             summary = inspect_checkpoint(args.ckpt, verify=args.verify)
             print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    except (CheckpointError, HybridEPConfigError) as err:
+    except (CheckpointError, HybridEPConfigError, FileNotFoundError, ValueError) as err:
         print(f"hf-hybrid-ep {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -19,31 +19,30 @@ ENV_PREFIX = "HF_HYBRID_EP_"
 
 DISPATCHER_BACKENDS = ("auto", "torch")
 PLACEMENTS = ("contiguous",)
+DROP_POLICIES = ("probs", "position")
 
 
 class HybridEPConfigError(ValueError):
     """A hybrid-EP configuration that cannot work; the message names the offending values."""
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(ENV_PREFIX + name)
+def _env_value(name: str, default: Any) -> Any:
+    """The environment twin ``HF_HYBRID_EP_<NAME>`` parsed like YAML ("2", "0.5", "true", "[[0, 1]]"),
+    or ``None`` when unset. Typed by the field's default where that is a bool or a number."""
+    raw = os.environ.get(ENV_PREFIX + name.upper())
     if raw is None or raw == "":
         return None
+    import yaml
+
     try:
-        return int(raw)
-    except ValueError as err:
-        raise HybridEPConfigError(f"{ENV_PREFIX}{name}={raw!r} is not an integer") from err
-
-
-def _env_bool(name: str) -> bool | None:
-    raw = os.environ.get(ENV_PREFIX + name)
-    if raw is None or raw == "":
-        return None
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise HybridEPConfigError(f"{ENV_PREFIX}{name}={raw!r} is not a boolean (use 1/0, true/false)")
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise HybridEPConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} cannot be parsed: {err}") from err
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise HybridEPConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean (use true/false)")
+    if name in ("dp_degree", "ep_degree") and not isinstance(value, int):
+        raise HybridEPConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer")
+    return value
 
 
 @dataclass
@@ -65,6 +64,28 @@ class HybridEPConfig:
             Costs one scalar all-reduce over the world per MoE layer and step.
         reduce_dense_gradients: average dense gradients over the world after ``backward()``. Turn it off
             when torch DDP (e.g. under Accelerate) already reduces the dense parameters.
+
+    Router controls (all off by default, so the model routes exactly as its transformers code does):
+
+        router_temperature: divide router logits by T before scoring. For softmax-then-top-k routers
+            this changes the combine weights and the router gradients, not which experts are chosen.
+        capacity_factor: per expert and per source rank, keep at most ``ceil(T·k/E · factor)`` of the
+            rank's T tokens (as Megatron-Core does); the rest pass through the residual, are counted
+            as dropped and never sent. With capacity on, results depend on the layout.
+        drop_policy: which tokens an over-capacity expert keeps: ``"probs"`` (highest routing
+            weight) or ``"position"`` (earliest tokens).
+        device_load_factors: strength β of device-load-aware selection: ``β · (load_r / mean_load − 1)``
+            is subtracted from the selection scores of the experts on EP rank r, from a running
+            estimate of per-rank load (selection only; the combine weights stay the router's).
+        aux_loss_coef / z_loss_coef: add a Switch load-balancing loss / router z-loss with these
+            coefficients to the training loss (computed on each rank's micro-batch).
+        bias_update_rate: aux-loss-free balancing (DeepSeek-V3): after every optimizer step each
+            expert's selection bias moves by ``rate · sign(mean_load − load)`` from the loads of the
+            step's micro-batches, all-reduced over the world. Uses the router's own correction bias
+            where it has one (a native checkpoint key), a selection-only bias elsewhere.
+        force_balanced_routing: for benchmarking, token t's j-th choice is expert ``(t·k + j) mod E``.
+        dead_expert_steps: an expert that received no token for this many optimizer steps is
+            reported dead by the load metrics.
     """
 
     dp_degree: int | None = None
@@ -73,6 +94,15 @@ class HybridEPConfig:
     placement: str | list[list[int]] = "contiguous"
     check_finite: bool = True
     reduce_dense_gradients: bool = True
+    router_temperature: float | None = None
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    device_load_factors: float | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
+    bias_update_rate: float | None = None
+    force_balanced_routing: bool = False
+    dead_expert_steps: int = 100
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,18 +113,15 @@ class HybridEPConfig:
 
     # ------------------------------------------------------------------ construction
     def _apply_env(self) -> None:
-        if self.dp_degree is None:
-            self.dp_degree = _env_int("DP_DEGREE")
-        if self.ep_degree is None:
-            self.ep_degree = _env_int("EP_DEGREE")
-        if self.dispatcher == "auto" and os.environ.get(ENV_PREFIX + "DISPATCHER"):
-            self.dispatcher = os.environ[ENV_PREFIX + "DISPATCHER"]
-        if self.placement == "contiguous" and os.environ.get(ENV_PREFIX + "PLACEMENT"):
-            self.placement = os.environ[ENV_PREFIX + "PLACEMENT"]
-        for name in ("check_finite", "reduce_dense_gradients"):
-            env = _env_bool(name.upper())
-            if env is not None and getattr(self, name) == HybridEPConfig.__dataclass_fields__[name].default:
-                setattr(self, name, env)
+        """Fill every field still at its default from its environment twin."""
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if getattr(self, f.name) == default:
+                value = _env_value(f.name, default)
+                if value is not None:
+                    setattr(self, f.name, value)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridEPConfig:
@@ -151,6 +178,27 @@ class HybridEPConfig:
                     )
         else:
             raise HybridEPConfigError(f"placement={self.placement!r} must be a name or a table")
+        for name in ("router_temperature", "capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+                raise HybridEPConfigError(f"{name}={value!r} must be a positive number or None")
+        for name in ("device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+                raise HybridEPConfigError(f"{name}={value!r} must be a non-negative number or None")
+        if self.drop_policy not in DROP_POLICIES:
+            raise HybridEPConfigError(f"drop_policy={self.drop_policy!r} must be one of {list(DROP_POLICIES)}")
+        if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:
+            raise HybridEPConfigError(f"dead_expert_steps={self.dead_expert_steps!r} must be a positive integer")
+
+    def selection_controls_on(self) -> bool:
+        """Whether any control needs the router's selection rule to be replaced."""
+        return bool(
+            self.router_temperature is not None
+            or self.device_load_factors
+            or self.bias_update_rate is not None
+            or self.force_balanced_routing
+        )
 
     def resolve(self, world_size: int, num_experts: int, local_world_size: int | None = None) -> tuple[int, int]:
         """Return ``(dp_degree, ep_degree)`` for this world and expert count, or raise naming the values.

@@ -17,6 +17,7 @@ from torch import nn
 from .config import HybridEPConfigError
 from .dispatch import CommStats, PlacementTable, make_dispatcher
 from .mesh import HybridMesh
+from .routing import apply_capacity
 
 # torch 2.13 renamed all_gather_into_tensor (same signature) and deprecates the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -146,6 +147,9 @@ class ExpertParallelLayer:
         self.local_experts = table.local_experts(mesh.ep_rank)
         self.param_names = expert_parameter_names(name, module)
         self.stats = CommStats()
+        self.routing = None  # a routing.LayerRouting, attached by parallelize
+        self.capacity_factor: float | None = None
+        self.drop_policy = "probs"
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
         self.dispatcher = make_dispatcher(dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats)
@@ -194,6 +198,13 @@ class ExpertParallelLayer:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.check_finite:
             self._agree_inputs_ok(hidden_states, top_k_index, top_k_weights)
+        dropped = 0
+        if self.capacity_factor is not None:
+            top_k_index, dropped = apply_capacity(
+                top_k_index, top_k_weights, self.num_experts, self.capacity_factor, self.drop_policy
+            )
+        if self.routing is not None:
+            self.routing.count(top_k_index, dropped)
         rows, local_slot, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
         unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         expert_out = self._local_forward(self.module, rows, local_slot.unsqueeze(1), unit)
@@ -208,7 +219,7 @@ class ExpertParallelLayer:
         ranks. Nobody is left waiting in a later collective.
         """
         nonfinite = ~torch.isfinite(hidden).all() | ~torch.isfinite(weights).all()
-        bad_index = ((index < 0) | (index >= self.num_experts)).any()
+        bad_index = ((index < -1) | (index >= self.num_experts)).any()
         table = torch.zeros(2, self.mesh.world_size, dtype=torch.long, device=hidden.device)
         table[0, self.mesh.rank] = nonfinite.long() + 2 * bad_index.long()
         table[1, self.mesh.rank] = self.layer_id

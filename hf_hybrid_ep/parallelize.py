@@ -15,6 +15,7 @@ from .dispatch import PlacementTable, resolve_backend
 from .experts import ExpertParallelLayer, check_shardable
 from .grads import ExpertBucket, GradientReducer
 from .mesh import HybridMesh, build_mesh, current_device
+from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 
 
 @dataclass
@@ -25,6 +26,7 @@ class HybridEPState:
     mesh: HybridMesh
     layers: list[ExpertParallelLayer]
     reducer: GradientReducer
+    optimizer_steps: int = 0
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
         """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
@@ -154,6 +156,11 @@ def parallelize(
         layer.layer_id, layer.layer_names = i, names
     if materialize is not None:
         _agree(mesh, materialize, model, layers)
+    install_router_controls(model, layers, config)
+    for layer in layers:
+        layer.capacity_factor, layer.drop_policy = config.capacity_factor, config.drop_policy
+    if config.aux_loss_coef or config.z_loss_coef:
+        add_aux_losses_hook(model, layers)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     buckets, norm_weights = _expert_buckets(layers, mesh)
@@ -182,6 +189,15 @@ def _wrap_generate(model: nn.Module) -> None:
 
     generate.__doc__ = original.__doc__
     model.generate = generate
+
+
+def routing_step(model: nn.Module) -> None:
+    """Call once after every optimizer step (the Trainer integration does): reduces the step's expert
+    loads over the world, applies aux-loss-free bias updates and device-load estimates, and feeds the
+    load metrics. Collective: call on every rank."""
+    state = state_of(model)
+    state.optimizer_steps += 1
+    on_optimizer_step(model, state.config, state.layers, state.mesh, state.optimizer_steps)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,12 +17,15 @@ class DispatchHandle:
     """What :meth:`TorchDispatcher.combine` needs to undo a dispatch.
 
     Attributes:
-        order: ``[T*k]`` permutation that sorted the sender's (token, k) pairs by (EP rank, slot).
+        order: ``[T*k]`` permutation that sorted the sender's (token, k) pairs by (EP rank, slot);
+            dropped pairs (expert id -1) sort last and are not sent.
+        num_sent: pairs actually sent (``T*k`` minus dropped ones).
         send_splits / recv_splits: rows sent to / received from each EP rank in the dispatch.
         num_tokens / top_k: the sender's ``T`` and ``k``.
     """
 
     order: torch.Tensor
+    num_sent: int
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
@@ -54,17 +57,18 @@ class TorchDispatcher:
 
         Args:
             hidden: ``[T, H]`` token activations.
-            top_k_index: ``[T, k]`` global expert ids.
+            top_k_index: ``[T, k]`` global expert ids; -1 marks a dropped assignment (never sent).
 
         Returns:
             ``(rows [M, H], local_slot [M] int64, handle)`` where ``M`` rows arrived for this rank's slots.
         """
         num_tokens, top_k = top_k_index.shape
         ep, slots = self.table.ep_degree, self.table.slots_per_rank
-        dest_rank, dest_slot = self.table.route(top_k_index.reshape(-1).long(), self.ep_rank)
-        key = dest_rank * slots + dest_slot
+        flat = top_k_index.reshape(-1).long()
+        dest_rank, dest_slot = self.table.route(flat.clamp_min(0), self.ep_rank)
+        key = torch.where(flat >= 0, dest_rank * slots + dest_slot, ep * slots)
         key_sorted, order = torch.sort(key, stable=True)
-        send_counts = torch.bincount(key_sorted, minlength=ep * slots)
+        send_counts = torch.bincount(key_sorted, minlength=ep * slots + 1)[: ep * slots]
         recv_counts = torch.empty_like(send_counts)
         if self.ep_group is None:
             recv_counts.copy_(send_counts)
@@ -72,8 +76,9 @@ class TorchDispatcher:
             dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         splits = torch.cat([send_counts.view(ep, slots).sum(1), recv_counts.view(ep, slots).sum(1)]).tolist()
         send_splits, recv_splits = splits[:ep], splits[ep:]
+        num_sent = sum(send_splits)
         rows = all_to_all(
-            hidden[order // top_k],
+            hidden[order[:num_sent] // top_k],
             send_splits,
             recv_splits,
             self.ep_group,
@@ -83,7 +88,7 @@ class TorchDispatcher:
         )
         slot_ids = torch.arange(slots, device=hidden.device).repeat(ep)
         local_slot = torch.repeat_interleave(slot_ids, recv_counts)
-        return rows, local_slot, DispatchHandle(order, send_splits, recv_splits, num_tokens, top_k)
+        return rows, local_slot, DispatchHandle(order, num_sent, send_splits, recv_splits, num_tokens, top_k)
 
     def combine(self, expert_out: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return expert outputs to their tokens and weight them.
@@ -104,6 +109,9 @@ class TorchDispatcher:
             phase="combine",
             self_index=self.ep_rank,
         )
+        dropped = handle.order.numel() - handle.num_sent
+        if dropped:  # dropped pairs contribute zero: their rows sort last
+            back = torch.cat([back, back.new_zeros((dropped, back.shape[1]))])
         inverse = torch.empty_like(handle.order)
         inverse[handle.order] = torch.arange(handle.order.numel(), device=handle.order.device)
         per_pair = back[inverse] * top_k_weights.reshape(-1, 1)

@@ -26,7 +26,8 @@ from ..checkpoint.load import load_rank_local_
 from ..checkpoint.save import save_hybrid_checkpoint
 from ..consistency import verify_replicas
 from ..grads import clip_grad_norm_
-from ..parallelize import state_of
+from ..metrics import JSONL_NAME, append_jsonl, load_report, summary_scalars
+from ..parallelize import routing_step, state_of
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 
@@ -42,6 +43,7 @@ class _HybridEPCallback(TrainerCallback):
         self.trainer._agree_overflow()
 
     def on_step_end(self, args, state, control, **kwargs):
+        routing_step(self.trainer.hybrid_model)
         if self.verify_sync_steps and state.global_step % self.verify_sync_steps == 0:
             verify_replicas(self.trainer.hybrid_model)
 
@@ -59,6 +61,17 @@ class HybridEPTrainer(Trainer):
         super().__init__(model, *args, **kwargs)
         self.add_callback(_HybridEPCallback(self, verify_sync_steps))
         prepare_accelerator(self.accelerator, model)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Add the expert-load summary to training logs and append the per-layer figures to
+        ``<output_dir>/expert_load.jsonl`` (rank 0)."""
+        if "loss" in logs:
+            report = load_report(self.hybrid_model)
+            logs.update(summary_scalars(report))
+            if report and self.args.should_save:
+                os.makedirs(self.args.output_dir, exist_ok=True)
+                append_jsonl(os.path.join(self.args.output_dir, JSONL_NAME), self.state.global_step, report)
+        super().log(logs, *args, **kwargs)
 
     @property
     def hybrid_model(self) -> nn.Module:
