@@ -115,11 +115,16 @@ def match_rule(router: nn.Module, top_k: int, hidden_size: int, probe_tokens: in
     g = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(probe_tokens, hidden_size, generator=g).to(weight.device, weight.dtype)
     with torch.no_grad():
-        want = router(probe)
+        try:
+            want = router(probe)
+        except (TypeError, RuntimeError, ValueError):  # e.g. a hash router that needs input_ids
+            return None
+        if not (isinstance(want, tuple) and len(want) == 3 and all(torch.is_tensor(t) for t in want)):
+            return None
         for rule in _candidates(router):
             try:
                 got = route(rule, router, probe, top_k)
-            except (AttributeError, RuntimeError, ValueError):
+            except (AttributeError, RuntimeError, TypeError, ValueError):
                 continue
             if all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True)):
                 return rule
