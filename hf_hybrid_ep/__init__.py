@@ -9,6 +9,7 @@ from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable
 from .experts import find_experts_modules, is_fused_experts
+from .freeze import ExpertFreezer
 from .grads import clip_grad_norm_, no_sync
 from .hub import push_to_hub
 from .mesh import HybridMesh, build_mesh
@@ -17,6 +18,7 @@ from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_st
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertFreezer",
     "CheckpointError",
     "convert_checkpoint",
     "export_checkpoint",

@@ -169,12 +169,14 @@ class LayerRouting:
     window: torch.Tensor = field(default=None)  # type: ignore[assignment]
     window_steps: int = 0
     last_active_step: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    total: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [E] all steps, world totals
     aux_loss: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.step = torch.zeros(self.num_experts + 4, dtype=torch.float64)
         self.window = torch.zeros(self.num_experts + 4, dtype=torch.float64)
         self.last_active_step = torch.zeros(self.num_experts, dtype=torch.long)
+        self.total = torch.zeros(self.num_experts, dtype=torch.float64)
 
     # [0:E] tokens per expert, [E] dropped assignments, [E+1] kept assignments, [E+2] entropy sum,
     # [E+3] router tokens
@@ -361,6 +363,7 @@ def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, me
         offset += n
         loads = totals[: routing.num_experts]
         routing.window += totals
+        routing.total += loads
         routing.window_steps += 1
         routing.last_active_step[loads > 0] = step
         routing.step.zero_()

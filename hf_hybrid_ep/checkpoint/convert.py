@@ -34,6 +34,7 @@ from .format import (
 )
 from .layout import classify_keys, model_experts
 from .safetensors_io import CheckpointError, StreamingSafetensorsWriter, TensorSpec, sha256_file
+from .side_state import SIDE_FILE
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -97,9 +98,15 @@ def resolve_source(src: str | os.PathLike[str], revision: str | None = None) -> 
     return root, source
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
+def _copy_side_files(src: Path, dst: Path, keep_hybrid_state: bool = True) -> None:
+    """Copy config, tokenizer and other non-weight files (and the hybrid-EP side file if asked)."""
     for f in sorted(src.iterdir()):
-        if f.is_file() and not f.name.startswith(".") and f.name != INDEX_NAME and not f.name.endswith(_WEIGHT_SUFFIXES):
+        if not f.is_file() or f.name.startswith(".") or f.name == INDEX_NAME:
+            continue
+        if f.name == SIDE_FILE:
+            if keep_hybrid_state:
+                shutil.copy2(f, dst / f.name)
+        elif not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, dst / f.name)
 
 
@@ -121,6 +128,7 @@ def _rewrite(
     finish: Callable[[Path, dict[str, str], dict[str, FileInfo], int], None],
     dtype: torch.dtype | None,
     progress: bool,
+    keep_hybrid_state: bool = True,
 ) -> Path:
     """Stream every tensor of ``src_dir`` into the files ``plan`` lays out, then ``finish`` the index."""
     index = read_index(src_dir)
@@ -148,7 +156,7 @@ def _rewrite(
         for w in writers.values():
             w.close()
         infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in layout}
-        _copy_side_files(src_dir, tmp)
+        _copy_side_files(src_dir, tmp, keep_hybrid_state)
         finish(tmp, weight_map, infos, sum(s.nbytes for specs in layout.values() for s in specs))
         if out.exists():
             out.rmdir()
@@ -246,6 +254,8 @@ def export_checkpoint(
     src_dir = Path(src)
     index = read_index(src_dir)
     dropped = ["model.safetensors.index.json: metadata.hybrid_ep"] if index.hybrid_ep is not None else []
+    if (src_dir / SIDE_FILE).is_file():
+        dropped.append(f"{SIDE_FILE}: selection-only router biases (aux-loss-free balancing)")
 
     def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
         groups = _pack_by_size([s for _, s in sorted(specs.items())], max_shard_bytes)
@@ -254,5 +264,5 @@ def export_checkpoint(
     def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
         write_index(tmp, weight_map, total, None)
 
-    _rewrite(src_dir, Path(out), plan, finish, None, progress)
+    _rewrite(src_dir, Path(out), plan, finish, None, progress, keep_hybrid_state=False)
     return dropped

@@ -27,6 +27,7 @@ from ..experts import ExpertParallelLayer
 from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME
 from .layout import build_meta_model
 from .safetensors_io import CheckpointError, read_header
+from .side_state import load_side_state
 
 logger = logging.getLogger(__name__)
 
@@ -223,5 +224,6 @@ def from_pretrained(
     hf_config = AutoConfig.from_pretrained(root)
     model = build_meta_model(hf_config)
     parallelize(model, config, materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch))
+    load_side_state(model, root)
     model.eval()
     return model

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..parallelize import state_of
 from .convert import convert_checkpoint
+from .side_state import SIDE_FILE, save_side_state
 
 
 def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str]) -> Path:
@@ -32,6 +33,7 @@ def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str])
     if mesh.rank == 0:
         try:
             convert_checkpoint(staging, converted, ep_degree=mesh.ep_degree, progress=False)
+            save_side_state(model, converted)
             _move_into(converted, output_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -43,7 +45,7 @@ def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str])
 
 def _move_into(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
-    stale = {p.name for p in dst.glob("model*.safetensors")}
+    stale = {p.name for p in dst.glob("model*.safetensors")} | {p.name for p in dst.glob(SIDE_FILE)}
     new = sorted(p.name for p in src.iterdir())
     index = "model.safetensors.index.json"
     for name in [n for n in new if n != index] + [index]:

@@ -24,6 +24,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from ..amp import agree_found_inf_
 from ..checkpoint.load import load_rank_local_
 from ..checkpoint.save import save_hybrid_checkpoint
+from ..checkpoint.side_state import load_side_state
 from ..consistency import verify_replicas
 from ..grads import clip_grad_norm_
 from ..metrics import JSONL_NAME, append_jsonl, load_report, summary_scalars
@@ -110,6 +111,7 @@ class HybridEPTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         model = self.hybrid_model if model is None else self.accelerator.unwrap_model(model)
         load_rank_local_(Path(resume_from_checkpoint), model, state_of(model).layers)
+        load_side_state(model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -1,0 +1,52 @@
+"""State that vanilla transformers has no place for, in a namespaced side file next to the weights.
+
+``hybrid_ep_state.safetensors`` holds, per MoE layer, the selection-only bias of aux-loss-free
+balancing on routers without a native correction bias (``<experts module>.selection_bias``). It is
+not in the weight index, so vanilla ``from_pretrained`` ignores it; ``export`` drops it and says so.
+Routers with a native correction bias (DeepSeek-V3, GLM-4) keep it in the weights themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+SIDE_FILE = "hybrid_ep_state.safetensors"
+
+
+def _biased_layers(model: nn.Module) -> list:
+    from ..parallelize import state_of
+
+    return [layer for layer in state_of(model).layers
+            if layer.routing is not None and layer.routing.selection_bias is not None]
+
+
+def save_side_state(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:
+    """Write the side file (call on one rank; the state is identical on every rank)."""
+    layers = _biased_layers(model)
+    if not layers:
+        return None
+    path = Path(directory) / SIDE_FILE
+    tmp = path.with_name(f".{SIDE_FILE}.tmp")
+    save_file({f"{layer.name}.selection_bias": layer.routing.selection_bias.contiguous() for layer in layers},
+              tmp, metadata={"format": "pt", "namespace": "hf_hybrid_ep"})
+    tmp.replace(path)
+    return path
+
+
+def load_side_state(model: nn.Module, directory: str | os.PathLike[str]) -> list[str]:
+    """Load the side file if present; return the keys restored."""
+    path = Path(directory) / SIDE_FILE
+    if not path.is_file():
+        return []
+    tensors = load_file(path)
+    restored = []
+    for layer in _biased_layers(model):
+        key = f"{layer.name}.selection_bias"
+        if key in tensors:
+            layer.routing.selection_bias.copy_(tensors[key])
+            restored.append(key)
+    return restored
