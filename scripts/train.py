@@ -75,6 +75,18 @@ class HybridEPArguments:
     verify_sync_steps: int = field(
         default=0, metadata={"help": "every N steps, check that all replicas are bit-identical (0: off)"}
     )
+    router_temperature: float | None = field(default=None, metadata={"help": "divide router logits by T"})
+    capacity_factor: float | None = field(default=None, metadata={"help": "per-expert capacity (dropless if unset)"})
+    drop_policy: str | None = field(default=None, metadata={"help": "probs | position"})
+    device_load_factors: float | None = field(default=None, metadata={"help": "device-load-aware selection β"})
+    aux_loss_coef: float | None = field(default=None, metadata={"help": "Switch load-balancing loss coefficient"})
+    z_loss_coef: float | None = field(default=None, metadata={"help": "router z-loss coefficient"})
+    bias_update_rate: float | None = field(default=None, metadata={"help": "aux-loss-free balancing rate"})
+    force_balanced_routing: bool | None = field(default=None, metadata={"help": "round-robin routing (benchmarks)"})
+    freeze_experts: str | None = field(
+        default=None, metadata={"help": "comma-separated expert ids or 'least_used:N' to freeze"}
+    )
+    freeze_from_step: int = field(default=0, metadata={"help": "optimizer step from which they are frozen"})
 
 
 def demo_corpus() -> Dataset:
@@ -144,15 +156,22 @@ def summary(trainer, metrics: dict, model, block_size: int) -> None:
         print(f"peak memory per rank ({kind}): " + ", ".join(f"{p:.0f}" for p in peaks))
 
 
+def _parse_freeze(spec: str | None):
+    if spec is None or spec.startswith("least_used:"):
+        return spec
+    return [int(e) for e in spec.split(",") if e.strip()]
+
+
 def main(argv: list[str]) -> None:
     argv = argv or DEMO_ARGS
     parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, TrainingArguments))
     model_args, data_args, ep_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     if not torch.cuda.is_available():
         training_args.use_cpu = True
+    engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
+                    "device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing")
     plugin = HybridEPPlugin.from_sources(
-        ep_args.hybrid_ep_config,
-        {"dp_degree": ep_args.dp_degree, "ep_degree": ep_args.ep_degree, "dispatcher": ep_args.dispatcher},
+        ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}
     )
     plugin.apply_to(training_args, explicit=explicit_flags(argv))
 
@@ -186,6 +205,8 @@ def main(argv: list[str]) -> None:
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         verify_sync_steps=ep_args.verify_sync_steps,
+        freeze_experts=_parse_freeze(ep_args.freeze_experts),
+        freeze_from_step=ep_args.freeze_from_step,
     )
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     summary(trainer, result.metrics, model, data_args.block_size)

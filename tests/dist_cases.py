@@ -587,3 +587,26 @@ def generate_uneven(max_new_tokens_by_rank: list[int]) -> dict:
     got = model.generate(prompt, **kw)
     want = ref.generate(prompt, **kw)
     return {"equal": bool(torch.equal(got, want)), "length": got.shape[1]}
+
+
+def routing_metrics(dp: int, ep: int, steps: int = 3, **controls) -> dict:
+    """Per-expert load metrics (and aux-loss-free biases) after a few steps on a given layout."""
+    from hf_hybrid_ep.metrics import load_report
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("gpt_oss", 4)
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.router.bias"):
+            p.data[0] += 2.0  # skew towards expert 0 (EP rank 0 when ep > 1)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, **controls))
+    shares = []
+    for step in range(steps):
+        with torch.no_grad():
+            model(**{k: v for k, v in _rank_slice(_global_inputs(ref, world, seed=step), rank).items() if k != "labels"})
+        hep.routing_step(model)
+        report = load_report(model)
+        first = next(iter(report.values()))
+        shares.append(first["tokens_per_rank"][0] / max(1, sum(first["tokens_per_rank"])))
+    state = hep.state_of(model)
+    biases = [layer.routing.selection_bias.tolist() for layer in state.layers if layer.routing.selection_bias is not None]
+    return {"report": report, "biases": biases, "rank0_share": shares}

@@ -24,7 +24,8 @@ def test_accelerate_launch_trains_and_saves(tmp_path):
         "--output_dir", str(out), "--max_steps", "12", "--per_device_train_batch_size", "8",
         "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--logging_steps", "3",
         "--save_steps", "12", "--report_to", "none", "--block_size", "64", "--ep_degree", "2",
-        "--verify_sync_steps", "4",
+        "--verify_sync_steps", "4", "--bias_update_rate", "0.001", "--freeze_experts", "least_used:1",
+        "--freeze_from_step", "8",
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -34,3 +35,10 @@ def test_accelerate_launch_trains_and_saves(tmp_path):
     assert len(losses) >= 3 and losses[-1] < losses[0], losses
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint-12")
     assert torch.isfinite(model(input_ids=torch.randint(3, 500, (1, 16))).logits).all()
+    assert "moe/imbalance_expert_max" in state["log_history"][0]
+    records = (out / "expert_load.jsonl").read_text().splitlines()
+    assert len(records) == len(losses)
+    from hf_hybrid_ep.cli import main as cli
+
+    assert cli(["report", str(out / "expert_load.jsonl"), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "expert_load_heatmap.png").stat().st_size > 1000

@@ -26,6 +26,7 @@ from ..checkpoint.load import load_rank_local_
 from ..checkpoint.save import save_hybrid_checkpoint
 from ..checkpoint.side_state import load_side_state
 from ..consistency import verify_replicas
+from ..freeze import ExpertFreezer
 from ..grads import clip_grad_norm_
 from ..metrics import JSONL_NAME, append_jsonl, load_report, summary_scalars
 from ..parallelize import routing_step, state_of
@@ -55,13 +56,27 @@ class HybridEPTrainer(Trainer):
     Args:
         verify_sync_steps: every this many optimizer steps, check that every replicated tensor is
             bit-identical across its replicas (0: never); a divergence names the parameter and ranks.
+        freeze_experts / freeze_from_step: the expert specialization schedule
+            (:class:`hf_hybrid_ep.ExpertFreezer`): expert ids or ``"least_used:N"``, from that step on.
     """
 
-    def __init__(self, model: nn.Module, *args, verify_sync_steps: int = 0, **kwargs) -> None:
+    def __init__(
+        self, model: nn.Module, *args, verify_sync_steps: int = 0, freeze_experts=None, freeze_from_step: int = 0,
+        **kwargs,
+    ) -> None:
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
+        self._freeze = (freeze_experts, freeze_from_step)
+        self.freezer: ExpertFreezer | None = None
         super().__init__(model, *args, **kwargs)
         self.add_callback(_HybridEPCallback(self, verify_sync_steps))
         prepare_accelerator(self.accelerator, model)
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        experts, from_step = self._freeze
+        if experts is not None and self.freezer is None:
+            self.freezer = ExpertFreezer(self.hybrid_model, optimizer, experts, from_step)
+        return optimizer
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the expert-load summary to training logs and append the per-layer figures to
