@@ -114,7 +114,7 @@ def train_parity(
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous")
     hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     models = (model, ref, ref64)
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in models]
     ref_grads = dict(ref.named_parameters())

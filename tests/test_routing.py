@@ -126,7 +126,7 @@ def test_auxiliary_losses_are_added_exactly():
 
 def test_gradient_checkpointing_does_not_count_twice():
     plain, ckpt = _model(), _model()
-    ckpt.gradient_checkpointing_enable()
+    ckpt.activation_checkpointing_enable()
     counts = []
     for model in (plain, ckpt):
         hep.parallelize(model)
