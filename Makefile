@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hf_hybrid_ep scripts tests benchmarks
+	$(VENV)/bin/ruff check hf_hybrid_ep scripts tests benchmarks examples
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests

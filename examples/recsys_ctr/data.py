@@ -67,6 +67,7 @@ class ClickWorld:
             "user": user.astype(np.int64), "item": item.astype(np.int64),
             "category": self.item_category[item].astype(np.int64),
             "ctx": context.astype(np.int64), "real": real.astype(np.float32), "click": click,
+            "prob": prob.astype(np.float32),  # the true click probability: for the oracle AUC only, not a feature
         })
 
     def _users(self, rng, segment):

@@ -37,7 +37,11 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ctr-"))
     world = ClickWorld()
     world.sample(n_train, seed=1).save_to_disk(str(work / "data" / "train"))
-    world.sample(n_test, seed=2).save_to_disk(str(work / "data" / "test"))
+    test = world.sample(n_test, seed=2)
+    test.save_to_disk(str(work / "data" / "test"))
+    from train import auc
+
+    oracle = auc(test.with_format("numpy")["click"][:], test.with_format("numpy")["prob"][:])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
     results: dict[str, list[dict]] = {"moe": [], "dense_active": [], "dense_total": []}
     layouts = {}
@@ -64,6 +68,7 @@ def main() -> None:
         return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
     summary = {"seeds": args.seeds, "train_examples": n_train, "test_examples": results["moe"][0]["test_examples"],
+               "auc_oracle": oracle,
                "layouts": {k: {"samples_per_s": v} for k, v in layouts.items()}}
     for kind in results:
         for key in ("auc", "logloss"):
@@ -80,6 +85,7 @@ def main() -> None:
         print(f"| {kind} | {summary[f'auc_{kind}']:.4f} ± {summary[f'auc_{kind}_std']:.4f} | "
               f"{summary[f'logloss_{kind}']:.4f} ± {summary[f'logloss_{kind}_std']:.4f} | "
               f"{p['mixture_active']} / {p['mixture_total']} |")
+    print(f"oracle AUC (the generator's true click probabilities): {oracle:.4f}")
     print("samples/s (MoE, world 4, 2 CPU cores): " + ", ".join(f"dp×ep {k}: {v:.0f}" for k, v in layouts.items()))
 
 
