@@ -7,13 +7,15 @@ expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
-from .dispatch import PlacementTable
+from .dispatch import PlacementTable, register_experts_implementation
 from .experts import find_experts_modules, is_fused_experts
 from .freeze import ExpertFreezer
 from .grads import clip_grad_norm_, no_sync
 from .hub import push_to_hub
 from .mesh import HybridMesh, build_mesh
 from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, routing_step, state_of
+
+register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 ENV_PREFIX = "HF_HYBRID_EP_"
 
-DISPATCHER_BACKENDS = ("auto", "torch")
+DISPATCHER_BACKENDS = ("auto", "torch", "triton")
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 
@@ -54,9 +54,10 @@ class HybridEPConfig:
         ep_degree: ranks an expert layer is sharded over (consecutive ranks). ``None``: the largest
             divisor of the world size that also divides the expert count and fits in one node
             (``LOCAL_WORLD_SIZE``).
-        dispatcher: token-exchange backend. ``"torch"`` (all_to_all_single; gloo and NCCL) or
-            ``"auto"`` (the best available; today ``"torch"``). A requested backend that is missing
-            is an error, never a silent fallback.
+        dispatcher: token-exchange backend. ``"torch"`` (all_to_all_single; gloo and NCCL), ``"triton"``
+            (the same exchange with fused permute/unpermute-combine kernels; CUDA, or the CPU
+            interpreter with ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton on CUDA when importable,
+            torch otherwise). A requested backend that cannot run is an error with the reason.
         placement: ``"contiguous"`` (EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``), or an explicit
             table: a list over EP ranks of the global expert ids each rank holds, e.g.
             ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated.

@@ -152,7 +152,9 @@ class ExpertParallelLayer:
         self.drop_policy = "probs"
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
-        self.dispatcher = make_dispatcher(dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats)
+        self.dispatcher = make_dispatcher(
+            dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type
+        )
         self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
 
     def shard_(self) -> None:

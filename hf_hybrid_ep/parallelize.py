@@ -14,7 +14,7 @@ from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
 from .experts import ExpertParallelLayer, check_shardable
 from .grads import ExpertBucket, GradientReducer
-from .mesh import HybridMesh, build_mesh, current_device
+from .mesh import HybridMesh, build_mesh, current_device, default_device_type
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 
 
@@ -140,7 +140,7 @@ def parallelize(
     world, _ = _world()
     # One layout for all layers: resolved against the gcd of the layers' expert counts.
     dp, ep = config.resolve(world, math.gcd(*(m.num_experts for _, m in found)))
-    resolve_backend(config.dispatcher)
+    resolve_backend(config.dispatcher, default_device_type())
     tables = [_table_for(config, m.num_experts, ep) for _, m in found]
     mesh = build_mesh(dp, ep)
     if not any(p.is_meta for p in model.parameters()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,7 @@ def train_parity(
     placement: list[list[int]] | None = None,
     lr: float = 1e-3,
     gradient_checkpointing: bool = False,
+    dispatcher: str = "auto",
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -111,7 +113,9 @@ def train_parity(
     model, ref = _build(model_type, num_experts)
     ref64 = copy.deepcopy(ref).double()
     ref64.set_experts_implementation("batched_mm")
-    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous")
+    if dispatcher == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher)
     hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()

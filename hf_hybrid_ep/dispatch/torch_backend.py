@@ -78,7 +78,7 @@ class TorchDispatcher:
         send_splits, recv_splits = splits[:ep], splits[ep:]
         num_sent = sum(send_splits)
         rows = all_to_all(
-            hidden[order[:num_sent] // top_k],
+            self._permute(hidden, order, num_sent, top_k),
             send_splits,
             recv_splits,
             self.ep_group,
@@ -109,6 +109,14 @@ class TorchDispatcher:
             phase="combine",
             self_index=self.ep_rank,
         )
+        return self._unpermute_combine(back, top_k_weights, handle)
+
+    # The two passes over the activations around the exchange; the Triton backend fuses each.
+    def _permute(self, hidden: torch.Tensor, order: torch.Tensor, num_sent: int, top_k: int) -> torch.Tensor:
+        """``[num_sent, H]`` rows in send order: ``hidden[order[i] // top_k]``."""
+        return hidden[order[:num_sent] // top_k]
+
+    def _unpermute_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         dropped = handle.order.numel() - handle.num_sent
         if dropped:  # dropped pairs contribute zero: their rows sort last
             back = torch.cat([back, back.new_zeros((dropped, back.shape[1]))])
