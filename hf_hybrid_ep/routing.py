@@ -180,23 +180,32 @@ class LayerRouting:
 
     # [0:E] tokens per expert, [E] dropped assignments, [E+1] kept assignments, [E+2] entropy sum,
     # [E+3] router tokens
-    def count(self, index: torch.Tensor, dropped: int = 0) -> None:
+    # Counters stay on the device of the routing tensors (no host sync per layer); on_optimizer_step
+    # moves them once per step.
+    def _on(self, device: torch.device) -> torch.Tensor:
+        if self.step.device != device:
+            self.step = self.step.to(device)
+        return self.step
+
+    def count(self, index: torch.Tensor, dropped: torch.Tensor | int = 0) -> None:
         if _in_backward():
             return
-        valid = index[index >= 0].reshape(-1)
-        counts = torch.bincount(valid.cpu(), minlength=self.num_experts).double()
-        self.step[: self.num_experts] += counts
-        self.step[self.num_experts] += dropped
-        self.step[self.num_experts + 1] += valid.numel()
+        step = self._on(index.device)
+        flat = index.reshape(-1)
+        kept = flat >= 0
+        step[: self.num_experts] += torch.bincount(flat.clamp_min(0), weights=kept.double(), minlength=self.num_experts)
+        step[self.num_experts] += dropped
+        step[self.num_experts + 1] += kept.sum()
 
     def count_entropy(self, logits: torch.Tensor) -> None:
         if _in_backward():
             return
+        step = self._on(logits.device)
         with torch.no_grad():
             logp = F.log_softmax(logits.float(), dim=-1)
             entropy = -(logp.exp() * logp).sum(-1)
-        self.step[self.num_experts + 2] += entropy.sum().item()
-        self.step[self.num_experts + 3] += entropy.numel()
+        step[self.num_experts + 2] += entropy.sum().double()
+        step[self.num_experts + 3] += entropy.numel()
 
     def selection_adjust(self, device: torch.device) -> torch.Tensor | None:
         """[E] additive adjustment of selection scores: selection bias and device-load factors."""
@@ -315,11 +324,11 @@ def add_aux_losses_hook(model: nn.Module, layers: list) -> None:
 
 def apply_capacity(
     index: torch.Tensor, weights: torch.Tensor, num_experts: int, factor: float, policy: str
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop assignments beyond ``ceil(T·k/E · factor)`` per expert on this rank; dropped ids become -1.
 
     ``policy="probs"`` keeps the highest weights, ``"position"`` the earliest tokens.
-    Returns the new index ``[T, k]`` and the number of dropped assignments.
+    Returns the new index ``[T, k]`` and the number of dropped assignments (a 0-dim tensor).
     """
     tokens, k = index.shape
     capacity = math.ceil(tokens * k / num_experts * factor)
@@ -335,7 +344,7 @@ def apply_capacity(
     rank_in_expert[by_expert] = torch.arange(flat.numel(), device=flat.device) - starts
     keep = torch.empty_like(flat, dtype=torch.bool)
     keep[order] = rank_in_expert < capacity
-    dropped = int((~keep).sum())
+    dropped = (~keep).sum()
     return torch.where(keep, flat, torch.full_like(flat, -1)).view(tokens, k), dropped
 
 
@@ -348,14 +357,13 @@ def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, me
     routings = [layer.routing for layer in layers if getattr(layer, "routing", None) is not None]
     if not routings:
         return
-    stacked = torch.cat([r.step for r in routings])
-    if mesh.world_group is not None:
-        from .mesh import current_device
+    from .mesh import current_device
 
-        device = current_device(mesh)
-        reduced = stacked.to(device)
-        dist.all_reduce(reduced, group=mesh.world_group)
-        stacked = reduced.cpu()
+    device = current_device(mesh)
+    stacked = torch.cat([r.step.to(device) for r in routings])
+    if mesh.world_group is not None:
+        dist.all_reduce(stacked, group=mesh.world_group)
+    stacked = stacked.cpu()
     offset = 0
     for routing in routings:
         n = routing.num_experts + 4
