@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
+# Triton reads TRITON_INTERPRET when it is first imported, which may be while another test module is
+# collected: set it for the whole session (CPU only; it affects nothing but Triton kernels).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
