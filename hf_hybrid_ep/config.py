@@ -65,6 +65,8 @@ class HybridEPConfig:
             Costs one scalar all-reduce over the world per MoE layer and step.
         reduce_dense_gradients: average dense gradients over the world after ``backward()``. Turn it off
             when torch DDP (e.g. under Accelerate) already reduces the dense parameters.
+        overlap_degree: split each MoE layer's tokens into this many chunks so the token exchange of
+            chunk i+1 overlaps the experts of chunk i (asynchronous all-to-all). 1: no pipelining.
 
     Router controls (all off by default, so the model routes exactly as its transformers code does):
 
@@ -95,6 +97,7 @@ class HybridEPConfig:
     placement: str | list[list[int]] = "contiguous"
     check_finite: bool = True
     reduce_dense_gradients: bool = True
+    overlap_degree: int = 1
     router_temperature: float | None = None
     capacity_factor: float | None = None
     drop_policy: str = "probs"
@@ -189,6 +192,8 @@ class HybridEPConfig:
                 raise HybridEPConfigError(f"{name}={value!r} must be a non-negative number or None")
         if self.drop_policy not in DROP_POLICIES:
             raise HybridEPConfigError(f"drop_policy={self.drop_policy!r} must be one of {list(DROP_POLICIES)}")
+        if not isinstance(self.overlap_degree, int) or isinstance(self.overlap_degree, bool) or self.overlap_degree < 1:
+            raise HybridEPConfigError(f"overlap_degree={self.overlap_degree!r} must be a positive integer")
         if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:
             raise HybridEPConfigError(f"dead_expert_steps={self.dead_expert_steps!r} must be a positive integer")
 

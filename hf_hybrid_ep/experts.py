@@ -150,6 +150,7 @@ class ExpertParallelLayer:
         self.routing = None  # a routing.LayerRouting, attached by parallelize
         self.capacity_factor: float | None = None
         self.drop_policy = "probs"
+        self.overlap_degree = 1
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
         self.dispatcher = make_dispatcher(
@@ -207,10 +208,36 @@ class ExpertParallelLayer:
             )
         if self.routing is not None:
             self.routing.count(top_k_index, dropped)
+        if self.overlap_degree > 1:
+            return self._forward_pipelined(hidden_states, top_k_index, top_k_weights)
         rows, local_slot, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
+        return self.dispatcher.combine(self._experts(rows, local_slot), top_k_weights, handle).to(hidden_states.dtype)
+
+    def _experts(self, rows: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on received rows (unit weights: the sender applies the routing weights)."""
         unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        expert_out = self._local_forward(self.module, rows, local_slot.unsqueeze(1), unit)
-        return self.dispatcher.combine(expert_out, top_k_weights, handle).to(hidden_states.dtype)
+        return self._local_forward(self.module, rows, local_slot.unsqueeze(1), unit)
+
+    def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Split the tokens into ``overlap_degree`` chunks; the token exchange of chunk i+1 runs
+        (asynchronously) while the experts of chunk i compute. Every rank runs the same number of
+        chunks (a chunk may be empty), so the collectives pair up in the same order everywhere."""
+        chunks = self.overlap_degree
+        bounds = [hidden.shape[0] * i // chunks for i in range(chunks + 1)]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        handles = [self.dispatcher.plan(index[a:b]) for a, b in spans]
+        pending = self.dispatcher.send(hidden[spans[0][0] : spans[0][1]], handles[0], async_op=True)
+        outputs = []
+        for i, (a, b) in enumerate(spans):
+            following = None
+            if i + 1 < chunks:
+                na, nb = spans[i + 1]
+                following = self.dispatcher.send(hidden[na:nb], handles[i + 1], async_op=True)
+            handles[i].wait()
+            expert_out = self._experts(pending, handles[i].local_slot)
+            outputs.append(self.dispatcher.combine(expert_out, weights[a:b], handles[i]))
+            pending = following
+        return torch.cat(outputs).to(hidden.dtype)
 
     def _agree_inputs_ok(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
         """Raise on every rank at once if any rank sees bad inputs or runs a different layer.

@@ -159,6 +159,7 @@ def parallelize(
     install_router_controls(model, layers, config)
     for layer in layers:
         layer.capacity_factor, layer.drop_policy = config.capacity_factor, config.drop_policy
+        layer.overlap_degree = config.overlap_degree
     if config.aux_loss_coef or config.z_loss_coef:
         add_aux_losses_hook(model, layers)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}

@@ -132,3 +132,9 @@ def test_generate_with_different_lengths_per_rank(pools):
     results = pools(2).run(cases.generate_uneven, [2, 5])
     assert [r["length"] for r in results] == [6, 9]
     assert all(r["equal"] for r in results)
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_overlapped_chunks_equal_the_plain_path(pools, degree):
+    for r in pools(2).run(cases.overlap_equivalence, "qwen2_moe", 2, degree):
+        assert r["logits_rel"] <= 1e-6 and r["grad_rel"] <= 1e-6, r

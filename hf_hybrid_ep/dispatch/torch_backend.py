@@ -22,6 +22,8 @@ class DispatchHandle:
         num_sent: pairs actually sent (``T*k`` minus dropped ones).
         send_splits / recv_splits: rows sent to / received from each EP rank in the dispatch.
         num_tokens / top_k: the sender's ``T`` and ``k``.
+        local_slot: ``[M]`` local slot of each received row.
+        work: the pending exchange of an asynchronous send.
     """
 
     order: torch.Tensor
@@ -30,6 +32,14 @@ class DispatchHandle:
     recv_splits: list[int]
     num_tokens: int
     top_k: int
+    local_slot: torch.Tensor | None = None
+    work: object | None = None
+
+    def wait(self) -> None:
+        """Complete an asynchronous token exchange started by ``send(..., async_op=True)``."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
 
 
 class TorchDispatcher:
@@ -62,6 +72,11 @@ class TorchDispatcher:
         Returns:
             ``(rows [M, H], local_slot [M] int64, handle)`` where ``M`` rows arrived for this rank's slots.
         """
+        handle = self.plan(top_k_index)
+        return self.send(hidden, handle), handle.local_slot, handle
+
+    def plan(self, top_k_index: torch.Tensor) -> DispatchHandle:
+        """Sort the (token, k) pairs by destination and exchange the per-slot counts (a small collective)."""
         num_tokens, top_k = top_k_index.shape
         ep, slots = self.table.ep_degree, self.table.slots_per_rank
         flat = top_k_index.reshape(-1).long()
@@ -76,19 +91,23 @@ class TorchDispatcher:
             dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         splits = torch.cat([send_counts.view(ep, slots).sum(1), recv_counts.view(ep, slots).sum(1)]).tolist()
         send_splits, recv_splits = splits[:ep], splits[ep:]
-        num_sent = sum(send_splits)
-        rows = all_to_all(
-            self._permute(hidden, order, num_sent, top_k),
-            send_splits,
-            recv_splits,
+        slot_ids = torch.arange(slots, device=top_k_index.device).repeat(ep)
+        local_slot = torch.repeat_interleave(slot_ids, recv_counts)
+        return DispatchHandle(order, sum(send_splits), send_splits, recv_splits, num_tokens, top_k, local_slot)
+
+    def send(self, hidden: torch.Tensor, handle: DispatchHandle, async_op: bool = False) -> torch.Tensor:
+        """The token exchange of a planned dispatch. With ``async_op`` the returned rows are valid only
+        after ``handle.wait()`` (the exchange overlaps whatever runs in between)."""
+        return all_to_all(
+            self._permute(hidden, handle.order, handle.num_sent, handle.top_k),
+            handle.send_splits,
+            handle.recv_splits,
             self.ep_group,
             stats=self.stats,
             phase="dispatch",
             self_index=self.ep_rank,
+            pending=handle if async_op else None,
         )
-        slot_ids = torch.arange(slots, device=hidden.device).repeat(ep)
-        local_slot = torch.repeat_interleave(slot_ids, recv_counts)
-        return rows, local_slot, DispatchHandle(order, num_sent, send_splits, recv_splits, num_tokens, top_k)
 
     def combine(self, expert_out: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return expert outputs to their tokens and weight them.
