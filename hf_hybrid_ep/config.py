@@ -67,6 +67,8 @@ class HybridEPConfig:
             when torch DDP (e.g. under Accelerate) already reduces the dense parameters.
         overlap_degree: split each MoE layer's tokens into this many chunks so the token exchange of
             chunk i+1 overlaps the experts of chunk i (asynchronous all-to-all). 1: no pipelining.
+        overlap_shared_expert: for blocks that run their shared expert after the routed experts
+            (DeepSeek-V3, GLM-4-MoE), compute it while the return all-to-all is in flight.
 
     Router controls (all off by default, so the model routes exactly as its transformers code does):
 
@@ -98,6 +100,7 @@ class HybridEPConfig:
     check_finite: bool = True
     reduce_dense_gradients: bool = True
     overlap_degree: int = 1
+    overlap_shared_expert: bool = False
     router_temperature: float | None = None
     capacity_factor: float | None = None
     drop_policy: str = "probs"

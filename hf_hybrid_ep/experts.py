@@ -151,6 +151,7 @@ class ExpertParallelLayer:
         self.capacity_factor: float | None = None
         self.drop_policy = "probs"
         self.overlap_degree = 1
+        self.shared_overlap: SharedExpertOverlap | None = None
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
         self.dispatcher = make_dispatcher(
@@ -211,7 +212,13 @@ class ExpertParallelLayer:
         if self.overlap_degree > 1:
             return self._forward_pipelined(hidden_states, top_k_index, top_k_weights)
         rows, local_slot, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
-        return self.dispatcher.combine(self._experts(rows, local_slot), top_k_weights, handle).to(hidden_states.dtype)
+        overlap = None
+        if self.shared_overlap is not None:
+            self.shared_overlap.experts_ran = True
+            if self.shared_overlap.after_experts:
+                overlap = lambda: self.shared_overlap.precompute(hidden_states)  # noqa: E731
+        out = self.dispatcher.combine(self._experts(rows, local_slot), top_k_weights, handle, overlap_with=overlap)
+        return out.to(hidden_states.dtype)
 
     def _experts(self, rows: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
         """This rank's experts on received rows (unit weights: the sender applies the routing weights)."""
@@ -272,3 +279,53 @@ class ExpertParallelLayer:
             problems.append(f"expert ids outside [0, {self.num_experts}) on rank(s) {index_ranks}")
         if problems:
             raise FloatingPointError(f"hybrid-EP layer {self.name}: " + "; ".join(problems))
+
+
+class SharedExpertOverlap:
+    """Run a block's shared expert while the routed experts' return exchange is in flight.
+
+    Only for blocks that call the shared expert *after* the routed experts on the same input
+    (DeepSeek-V3, GLM-4-MoE): observed on the first forward, then the shared expert's output is
+    computed inside the experts call, during the combine all-to-all, and handed back when the block
+    asks for it with that same input. Blocks that call it first (Qwen2-MoE) are left as they are.
+    Results are bit-identical: the same computation, reordered.
+    """
+
+    def __init__(self, block: nn.Module, shared: nn.Module) -> None:
+        self.shared = shared
+        self.after_experts: bool | None = None
+        self.experts_ran = False
+        self._stash: tuple[tuple, torch.Tensor] | None = None
+        self._forward = shared.forward
+        block.register_forward_pre_hook(self._block_starts)
+        shared.forward = self._shared_forward
+
+    @staticmethod
+    def _key(x: torch.Tensor) -> tuple:
+        return (x.data_ptr(), x.numel(), x.dtype, x._version)
+
+    def _block_starts(self, module, args) -> None:
+        self.experts_ran = False
+        self._stash = None
+
+    def precompute(self, hidden: torch.Tensor) -> None:
+        self._stash = (self._key(hidden), self._forward(hidden))
+
+    def _shared_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.after_experts is None:
+            self.after_experts = self.experts_ran
+        stash, self._stash = self._stash, None
+        if stash is not None and not args and not kwargs and stash[0] == self._key(x):
+            return stash[1].view(*x.shape[:-1], stash[1].shape[-1])
+        return self._forward(x, *args, **kwargs)
+
+
+def find_shared_expert(model: nn.Module, experts_name: str) -> tuple[nn.Module, nn.Module] | None:
+    """The block and its shared expert (a child named ``shared_experts`` or ``shared_expert``), if any."""
+    parent_name, _, _ = experts_name.rpartition(".")
+    block = model.get_submodule(parent_name)
+    for name in ("shared_experts", "shared_expert"):
+        shared = getattr(block, name, None)
+        if isinstance(shared, nn.Module):
+            return block, shared
+    return None

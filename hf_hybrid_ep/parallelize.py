@@ -12,7 +12,7 @@ from torch import nn
 
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
-from .experts import ExpertParallelLayer, check_shardable
+from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
 from .grads import ExpertBucket, GradientReducer
 from .mesh import HybridMesh, build_mesh, current_device, default_device_type
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
@@ -160,6 +160,9 @@ def parallelize(
     for layer in layers:
         layer.capacity_factor, layer.drop_policy = config.capacity_factor, config.drop_policy
         layer.overlap_degree = config.overlap_degree
+        found_shared = find_shared_expert(model, layer.name) if config.overlap_shared_expert else None
+        if found_shared is not None:
+            layer.shared_overlap = SharedExpertOverlap(*found_shared)
     if config.aux_loss_coef or config.z_loss_coef:
         add_aux_losses_hook(model, layers)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}

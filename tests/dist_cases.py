@@ -662,3 +662,30 @@ def overlap_equivalence(model_type: str, ep: int, degree: int) -> dict:
     (logits_a, grads_a), (logits_b, grads_b) = results
     worst = max(_rel(grads_b[n], grads_a[n]) for n in grads_a)
     return {"logits_rel": _rel(logits_b, logits_a), "grad_rel": worst}
+
+
+def shared_overlap_equivalence(model_type: str) -> dict:
+    """overlap_shared_expert reorders the shared expert into the return exchange: bit-identical results,
+    and the shared expert runs once per layer and forward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, calls = [], []
+    for overlap in (False, True):
+        model, ref = _build(model_type, 4)
+        hep.parallelize(model, hep.HybridEPConfig(ep_degree=world, overlap_shared_expert=overlap))
+        count = [0]
+        for layer in hep.state_of(model).layers:
+            block = model.get_submodule(layer.name.rpartition(".")[0])
+            shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert")
+            inner = shared.down_proj if hasattr(shared, "down_proj") else shared
+            inner.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        for seed in (4, 5):  # the first forward observes the block's order, the second overlaps
+            model.zero_grad()
+            batch = _rank_slice(_global_inputs(ref, world, seed=seed), rank)
+            out = model(**batch)
+            out.loss.backward()
+        calls.append(count[0])
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (la, ga), (lb, gb) = results
+    state = hep.state_of(model)
+    return {"equal": bool(torch.equal(la, lb)) and all(torch.equal(ga[n], gb[n]) for n in ga),
+            "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}

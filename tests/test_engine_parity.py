@@ -138,3 +138,11 @@ def test_generate_with_different_lengths_per_rank(pools):
 def test_overlapped_chunks_equal_the_plain_path(pools, degree):
     for r in pools(2).run(cases.overlap_equivalence, "qwen2_moe", 2, degree):
         assert r["logits_rel"] <= 1e-6 and r["grad_rel"] <= 1e-6, r
+
+
+def test_shared_expert_overlap_is_bit_identical(pools):
+    for r in pools(2).run(cases.shared_overlap_equivalence, "deepseek_v3"):
+        assert r["equal"] and r["after"] == [True], r
+        assert r["calls"][0] == r["calls"][1], r  # computed once per forward, just earlier
+    for r in pools(2).run(cases.shared_overlap_equivalence, "qwen2_moe"):  # shared expert runs first
+        assert r["equal"] and r["after"] == [False, False] and r["calls"][0] == r["calls"][1], r

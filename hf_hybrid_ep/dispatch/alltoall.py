@@ -8,6 +8,17 @@ import torch.distributed as dist
 from .stats import CommStats
 
 
+class PendingExchange:
+    """Holds the handle of an asynchronous exchange; ``wait()`` completes it (a no-op when none)."""
+
+    work = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 def _exchange(
     x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None,
     pending=None,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .alltoall import all_to_all
+from .alltoall import PendingExchange, all_to_all
 from .stats import CommStats
 from .table import PlacementTable
 
@@ -109,16 +110,25 @@ class TorchDispatcher:
             pending=handle if async_op else None,
         )
 
-    def combine(self, expert_out: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        handle: DispatchHandle,
+        overlap_with: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Return expert outputs to their tokens and weight them.
 
         Args:
             expert_out: ``[M, H]`` outputs, in the order ``dispatch`` returned the rows.
             top_k_weights: ``[T, k]`` routing weights of the sender.
 
+            overlap_with: work to run while the return exchange is in flight (e.g. the shared expert).
+
         Returns:
             ``[T, H]`` = ``sum_k top_k_weights[t, k] * y[t, k]`` (summed in k order, like transformers).
         """
+        pending = PendingExchange() if overlap_with is not None else None
         back = all_to_all(
             expert_out,
             handle.recv_splits,
@@ -127,7 +137,11 @@ class TorchDispatcher:
             stats=self.stats,
             phase="combine",
             self_index=self.ep_rank,
+            pending=pending,
         )
+        if pending is not None:
+            overlap_with()
+            pending.wait()
         return self._unpermute_combine(back, top_k_weights, handle)
 
     # The two passes over the activations around the exchange; the Triton backend fuses each.
