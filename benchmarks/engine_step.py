@@ -31,6 +31,7 @@ class BenchArguments:
     seq_len: int = field(default=128)
     rounds: int = field(default=5, metadata={"help": "interleaved rounds; each round times steps_per_round steps"})
     steps_per_round: int = field(default=3)
+    overlap_degrees: str = field(default="1", metadata={"help": "comma-separated overlap_degree values to compare"})
 
 
 def build(args: BenchArguments) -> torch.nn.Module:
@@ -49,10 +50,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layouts = [(world // ep, ep) for ep in range(1, world + 1) if world % ep == 0 and args.num_experts % ep == 0]
+    degrees = [int(d) for d in args.overlap_degrees.split(",")]
     runs = {}
     for dp, ep in layouts:
-        model = hep.parallelize(build(args), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
-        runs[(dp, ep)] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), [])
+        for degree in degrees if ep > 1 else [1]:
+            config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, overlap_degree=degree)
+            model = hep.parallelize(build(args), config)
+            runs[(dp, ep, degree)] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), [])
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, 1024, (args.batch_per_rank, args.seq_len), generator=g)
     for model, opt, _ in runs.values():  # warm-up
@@ -72,13 +76,14 @@ def main() -> None:
             dist.barrier()
             times.append((time.perf_counter() - start) / args.steps_per_round)
     if rank == 0:
-        base = statistics.median(runs[(world, 1)][2])
+        base = statistics.median(runs[(world, 1, 1)][2])
         steps = args.rounds * args.steps_per_round
         print(f"world {world}, {args.num_experts} experts, hidden {args.hidden}, {args.layers} layers, "
               f"{args.batch_per_rank}x{args.seq_len} tokens per rank; {steps} timed steps per layout")
-        print("| dp × ep | param MiB/rank | all-to-all KiB/step (remote, sent) | all-reduce KiB/step | step time vs ep=1 |")
-        print("|---|---|---|---|---|")
-        for (dp, ep), (model, _, times) in runs.items():
+        print("| dp × ep | overlap_degree | param MiB/rank | all-to-all KiB/step (remote, sent) | all-reduce KiB/step "
+              "| step time vs ep=1 |")
+        print("|---|---|---|---|---|---|")
+        for (dp, ep, degree), (model, _, times) in runs.items():
             stats = hep.comm_stats(model)
             a2a = sum(
                 v[p]["remote_bytes_sent"] for k, v in stats.items() if k != "gradient_reduction"
@@ -86,7 +91,7 @@ def main() -> None:
             )
             red = stats["gradient_reduction"]
             mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-            print(f"| {dp} × {ep} | {mib:.2f} | {a2a / steps / 1024:.1f} | "
+            print(f"| {dp} × {ep} | {degree} | {mib:.2f} | {a2a / steps / 1024:.1f} | "
                   f"{(red['dense_bytes'] + red['expert_bytes']) / steps / 1024:.1f} | "
                   f"{statistics.median(times) / base:.2f} |")
     dist.barrier()
