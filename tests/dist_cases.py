@@ -675,9 +675,9 @@ def shared_overlap_equivalence(model_type: str) -> dict:
         count = [0]
         for layer in hep.state_of(model).layers:
             block = model.get_submodule(layer.name.rpartition(".")[0])
-            shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert")
+            shared = getattr(block, "shared_experts", None) or block.shared_expert
             inner = shared.down_proj if hasattr(shared, "down_proj") else shared
-            inner.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+            inner.register_forward_hook(lambda *a, c=count: c.__setitem__(0, c[0] + 1))
         for seed in (4, 5):  # the first forward observes the block's order, the second overlaps
             model.zero_grad()
             batch = _rank_slice(_global_inputs(ref, world, seed=seed), rank)
