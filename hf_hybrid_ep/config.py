@@ -67,6 +67,8 @@ class HybridEPConfig:
             when torch DDP (e.g. under Accelerate) already reduces the dense parameters.
         overlap_degree: split each MoE layer's tokens into this many chunks so the token exchange of
             chunk i+1 overlaps the experts of chunk i (asynchronous all-to-all). 1: no pipelining.
+        expert_alignment: with the Triton dispatcher, pad each local expert's group of received rows
+            to a multiple of this (for GEMM kernels that need aligned groups); padding is never sent.
         overlap_shared_expert: for blocks that run their shared expert after the routed experts
             (DeepSeek-V3, GLM-4-MoE), compute it while the return all-to-all is in flight.
 
@@ -101,6 +103,7 @@ class HybridEPConfig:
     reduce_dense_gradients: bool = True
     overlap_degree: int = 1
     overlap_shared_expert: bool = False
+    expert_alignment: int = 1
     router_temperature: float | None = None
     capacity_factor: float | None = None
     drop_policy: str = "probs"
@@ -195,6 +198,8 @@ class HybridEPConfig:
                 raise HybridEPConfigError(f"{name}={value!r} must be a non-negative number or None")
         if self.drop_policy not in DROP_POLICIES:
             raise HybridEPConfigError(f"drop_policy={self.drop_policy!r} must be one of {list(DROP_POLICIES)}")
+        if not isinstance(self.expert_alignment, int) or isinstance(self.expert_alignment, bool) or self.expert_alignment < 1:
+            raise HybridEPConfigError(f"expert_alignment={self.expert_alignment!r} must be a positive integer")
         if not isinstance(self.overlap_degree, int) or isinstance(self.overlap_degree, bool) or self.overlap_degree < 1:
             raise HybridEPConfigError(f"overlap_degree={self.overlap_degree!r} must be a positive integer")
         if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:

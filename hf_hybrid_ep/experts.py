@@ -136,6 +136,7 @@ class ExpertParallelLayer:
         mesh: HybridMesh,
         dispatcher: str,
         check_finite: bool,
+        alignment: int = 1,
     ) -> None:
         self.name = name
         self.module = module
@@ -155,7 +156,8 @@ class ExpertParallelLayer:
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
         self.dispatcher = make_dispatcher(
-            dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type
+            dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type,
+            alignment=alignment,
         )
         self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
 
@@ -211,19 +213,18 @@ class ExpertParallelLayer:
             self.routing.count(top_k_index, dropped)
         if self.overlap_degree > 1:
             return self._forward_pipelined(hidden_states, top_k_index, top_k_weights)
-        rows, local_slot, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
+        rows, _, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
         overlap = None
         if self.shared_overlap is not None:
             self.shared_overlap.experts_ran = True
             if self.shared_overlap.after_experts:
                 overlap = lambda: self.shared_overlap.precompute(hidden_states)  # noqa: E731
-        out = self.dispatcher.combine(self._experts(rows, local_slot), top_k_weights, handle, overlap_with=overlap)
+        out = self.dispatcher.combine(self._experts(rows, handle), top_k_weights, handle, overlap_with=overlap)
         return out.to(hidden_states.dtype)
 
-    def _experts(self, rows: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
+    def _experts(self, rows: torch.Tensor, handle) -> torch.Tensor:
         """This rank's experts on received rows (unit weights: the sender applies the routing weights)."""
-        unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        return self._local_forward(self.module, rows, local_slot.unsqueeze(1), unit)
+        return self.dispatcher.run_experts(self.module, self._local_forward, rows, handle)
 
     def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Split the tokens into ``overlap_degree`` chunks; the token exchange of chunk i+1 runs
@@ -241,7 +242,7 @@ class ExpertParallelLayer:
                 na, nb = spans[i + 1]
                 following = self.dispatcher.send(hidden[na:nb], handles[i + 1], async_op=True)
             handles[i].wait()
-            expert_out = self._experts(pending, handles[i].local_slot)
+            expert_out = self._experts(pending, handles[i])
             outputs.append(self.dispatcher.combine(expert_out, weights[a:b], handles[i]))
             pending = following
         return torch.cat(outputs).to(hidden.dtype)

@@ -148,7 +148,9 @@ def parallelize(
 
     layers = []
     for (name, module), table in zip(found, tables, strict=True):
-        layer = ExpertParallelLayer(name, module, table, mesh, config.dispatcher, config.check_finite)
+        layer = ExpertParallelLayer(
+            name, module, table, mesh, config.dispatcher, config.check_finite, config.expert_alignment
+        )
         layer.shard_()
         layers.append(layer)
     names = {i: layer.name for i, layer in enumerate(layers)}

@@ -103,6 +103,7 @@ def train_parity(
     lr: float = 1e-3,
     gradient_checkpointing: bool = False,
     dispatcher: str = "auto",
+    expert_alignment: int = 1,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -115,7 +116,8 @@ def train_parity(
     ref64.set_experts_implementation("batched_mm")
     if dispatcher == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
-    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher)
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
+                                expert_alignment=expert_alignment)
     hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()

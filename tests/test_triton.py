@@ -72,9 +72,28 @@ def test_experts_implementation_equals_eager(family):
         assert cases._rel(gb[name], ga[name]) <= 1e-5, name
 
 
-def test_triton_dispatcher_trains_like_one_process(pools):
-    for r in pools(2).run(cases.train_parity, "mixtral", 1, 2, 4, dispatcher="triton", steps=2):
-        assert r["max_loss_rel"] <= cases.REL_TOL and r["violations"] == [], r
+@pytest.mark.parametrize(
+    ("family", "alignment", "placement"),
+    [("mixtral", 1, None), ("gpt_oss", 8, None), ("qwen3_moe", 4, [[0, 1, 2], [3, 0]])],
+    ids=["mixtral", "gpt_oss-aligned", "qwen3_moe-replicas-aligned"],
+)
+def test_triton_dispatcher_trains_like_one_process(pools, family, alignment, placement):
+    results = pools(2).run(cases.train_parity, family, 1, 2, 4, dispatcher="triton", steps=2,
+                           expert_alignment=alignment, placement=placement)
+    for r in results:
+        assert r["max_loss_rel"] <= cases.REL_TOL and r["max_grad_rel_step0"] <= cases.REL_TOL, r
+        assert r["violations"] == [], r
+
+
+def test_regroup_plan_rank_major_to_expert_major_with_padding():
+    from hf_hybrid_ep.dispatch import CommStats, PlacementTable, TritonDispatcher
+
+    dispatcher = TritonDispatcher(PlacementTable.contiguous(4, 2), 0, None, CommStats(), alignment=4)
+    # received from rank 0: 2 rows for slot 0, 1 for slot 1; from rank 1: 3 for slot 0, 0 for slot 1
+    index, destination, sizes = dispatcher.regroup_plan(torch.tensor([2, 1, 3, 0]), 2)
+    assert sizes.tolist() == [8, 4]  # 5 rows -> 8, 1 row -> 4
+    assert index.tolist() == [0, 1, 3, 4, 5, -1, -1, -1, 2, -1, -1, -1]
+    assert destination.tolist() == [0, 1, 8, 2, 3, 4]
 
 
 def test_requested_backend_that_cannot_run_names_the_reason(monkeypatch):

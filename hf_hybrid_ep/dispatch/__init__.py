@@ -33,9 +33,12 @@ def resolve_backend(name: str, device_type: str = "cpu") -> str:
 
 def make_dispatcher(
     name: str, table: PlacementTable, ep_rank: int, ep_group: dist.ProcessGroup | None, stats: CommStats,
-    device_type: str = "cpu",
+    device_type: str = "cpu", alignment: int = 1,
 ) -> TorchDispatcher:
-    return BACKENDS[resolve_backend(name, device_type)](table, ep_rank, ep_group, stats)
+    backend = resolve_backend(name, device_type)
+    if backend == "triton":
+        return TritonDispatcher(table, ep_rank, ep_group, stats, alignment=alignment)
+    return TorchDispatcher(table, ep_rank, ep_group, stats)
 
 
 __all__ = [

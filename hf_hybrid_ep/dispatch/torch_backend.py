@@ -34,6 +34,7 @@ class DispatchHandle:
     num_tokens: int
     top_k: int
     local_slot: torch.Tensor | None = None
+    recv_counts: torch.Tensor | None = None  # [ep * slots] rows received per (source rank, local slot)
     work: object | None = None
 
     def wait(self) -> None:
@@ -94,7 +95,9 @@ class TorchDispatcher:
         send_splits, recv_splits = splits[:ep], splits[ep:]
         slot_ids = torch.arange(slots, device=top_k_index.device).repeat(ep)
         local_slot = torch.repeat_interleave(slot_ids, recv_counts)
-        return DispatchHandle(order, sum(send_splits), send_splits, recv_splits, num_tokens, top_k, local_slot)
+        return DispatchHandle(
+            order, sum(send_splits), send_splits, recv_splits, num_tokens, top_k, local_slot, recv_counts
+        )
 
     def send(self, hidden: torch.Tensor, handle: DispatchHandle, async_op: bool = False) -> torch.Tensor:
         """The token exchange of a planned dispatch. With ``async_op`` the returned rows are valid only
@@ -143,6 +146,12 @@ class TorchDispatcher:
             overlap_with()
             pending.wait()
         return self._unpermute_combine(back, top_k_weights, handle)
+
+    def run_experts(self, module, local_forward, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """This rank's experts on the received rows (rank-major order), unit weights: transformers' own
+        experts implementation, which groups the rows by expert itself."""
+        unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return local_forward(module, rows, handle.local_slot.unsqueeze(1), unit)
 
     # The two passes over the activations around the exchange; the Triton backend fuses each.
     def _permute(self, hidden: torch.Tensor, order: torch.Tensor, num_sent: int, top_k: int) -> torch.Tensor:

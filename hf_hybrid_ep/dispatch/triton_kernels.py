@@ -79,6 +79,17 @@ def _combine_backward_kernel(grad_out, rows, weights, position, grad_rows, grad_
     tl.store(grad_weights + pair, tl.sum(dot, axis=0).to(grad_weights.dtype.element_ty))
 
 
+@triton.jit
+def _gather_kernel(src, dst, index, hidden, BLOCK: tl.constexpr):
+    """dst[row] = src[index[row]], or zeros where index[row] < 0 (padding)."""
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    source = tl.load(index + row)
+    live = col < tl.where(source >= 0, hidden, 0)
+    values = tl.load(src + source * hidden + col, mask=live, other=0.0)
+    tl.store(dst + row * hidden + col, values, mask=col < hidden)
+
+
 def _grid(rows: int, hidden: int) -> tuple[int, int]:
     return (rows, triton.cdiv(hidden, BLOCK_H))
 
@@ -146,6 +157,36 @@ class FusedUnpermuteCombine(torch.autograd.Function):
                 BLOCK=BLOCK_H,
             )
         return grad_rows, grad_weights, None, None
+
+
+def _gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = src.new_empty((index.numel(), src.shape[1]))
+    if index.numel():
+        _gather_kernel[_grid(index.numel(), src.shape[1])](src, out, index, src.shape[1], BLOCK=BLOCK_H)
+    return out
+
+
+class FusedGatherRows(torch.autograd.Function):
+    """``out[j] = src[index[j]]`` (zeros where ``index[j] < 0``); every source row is used at most once,
+    so the backward is a gather by the inverse index."""
+
+    @staticmethod
+    def forward(ctx, src, index):  # type: ignore[override]
+        src = src.contiguous()
+        inverse = torch.full((src.shape[0],), -1, dtype=torch.long, device=src.device)
+        used = index >= 0
+        inverse[index[used]] = torch.nonzero(used).reshape(-1)
+        ctx.save_for_backward(inverse)
+        return _gather(src, index)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return _gather(grad.contiguous(), inverse), None
+
+
+def fused_gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return FusedGatherRows.apply(src, index)
 
 
 def fused_permute(hidden: torch.Tensor, order: torch.Tensor, num_rows: int, top_k: int) -> torch.Tensor:
