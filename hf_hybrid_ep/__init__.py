@@ -4,6 +4,7 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 """
 
+from .cache import ExpertCache, cache_stats, offload, resize_offload
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
@@ -20,6 +21,10 @@ register_experts_implementation()  # model.set_experts_implementation("hybrid_ep
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertCache",
+    "cache_stats",
+    "offload",
+    "resize_offload",
     "ExpertFreezer",
     "CheckpointError",
     "convert_checkpoint",

@@ -1,0 +1,80 @@
+"""ExpertCache policies on hand-made traces, and offloaded decoding against the fully resident model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import build_tiny_model
+
+import hf_hybrid_ep as hep
+from hf_hybrid_ep.cache import ExpertCache, replay
+
+
+def _evictions(policy: str, trace, capacity: int = 2, **kw) -> list[int]:
+    cache = ExpertCache(capacity, policy, future=trace if policy == "belady" else None, **kw)
+    evicted = []
+    for step in trace:
+        before = set(cache.resident)
+        cache.request(step)
+        evicted += sorted(before - set(cache.resident))
+    return evicted
+
+
+def test_lru_evicts_the_least_recently_used():
+    assert _evictions("lru", [[0], [1], [0], [2], [3]]) == [1, 0]
+
+
+def test_lfu_evicts_the_least_frequently_used():
+    assert _evictions("lfu", [[0], [0], [1], [2], [3]]) == [1, 2]
+
+
+def test_pinned_lru_keeps_the_hottest_expert():
+    # capacity 3, one pinned slot: expert 0 was used most, so pinned-lru keeps it where lru evicts it
+    trace = [[0], [0], [0], [1], [2], [3]]
+    assert _evictions("lru", trace, capacity=3) == [0]
+    assert _evictions("pinned-lru", trace, capacity=3, pin_fraction=1 / 3) == [1]
+
+
+def test_belady_evicts_the_farthest_next_use():
+    trace = [[0], [1], [2], [0], [1], [2]]
+    assert _evictions("belady", trace) == [1, 0]  # at step 2: next uses 0 -> 1 step, 1 -> 2 steps
+    assert replay(trace, 2, "belady").hits >= max(replay(trace, 2, p).hits for p in ("lru", "lfu", "pinned-lru"))
+
+
+def test_resize_down_and_up_keeps_resident_experts():
+    cache = ExpertCache(4, "lru", expert_bytes=100)
+    cache.request([0, 1, 2, 3])
+    cache.request([3])
+    moves = cache.resize(2)
+    assert list(cache.resident) == [2, 3] and sorted(moves.values()) == [0, 1]
+    cache.resize_bytes(500)
+    assert cache.capacity == 5 and list(cache.resident) == [2, 3]
+    with pytest.raises(hep.HybridEPConfigError, match="3 experts requested at once, capacity is 2"):
+        ExpertCache(2, "lru").request([0, 1, 2])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "pinned-lru"])
+def test_offloaded_decoding_equals_resident_decoding(policy):
+    torch.manual_seed(0)
+    model = build_tiny_model("mixtral", num_experts=8)
+    model.eval()
+    reference = copy.deepcopy(model)
+    hep.offload(model, capacity=3, policy=policy)
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              attention_mask=torch.ones_like(ids))
+    got, want = model.generate(ids, **kw), reference.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):  # every decoding step
+        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+    stats = hep.cache_stats(model)
+    full_layer_bytes = sum(p.numel() * p.element_size() for p in reference.model.layers[0].mlp.experts.parameters())
+    for layer in stats.values():
+        assert layer["evictions"] > 0 and layer["resident_experts"] <= layer["capacity"] == 3
+        assert layer["resident_bytes"] == full_layer_bytes * 3 // 8  # never more than the budget
+    hep.resize_offload(model, 2)  # down, then up: still the same tokens
+    assert torch.equal(model.generate(ids, **kw).sequences, want.sequences)
+    hep.resize_offload(model, 6)
+    assert torch.equal(model.generate(ids, **kw).sequences, want.sequences)
