@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import HybridEPConfigError
@@ -27,15 +28,34 @@ class ModelExperts:
     num_moe_layers: int
 
 
-def build_meta_model(config: PretrainedConfig):
-    """The model for ``config`` with every parameter on the meta device (no memory, no init)."""
-    from accelerate import init_empty_weights
+def _from_config(config: PretrainedConfig):
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        return AutoModel.from_config(config)
 
-    with init_empty_weights(include_buffers=False):
-        try:
-            return AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            return AutoModel.from_config(config)
+
+def build_meta_model(config: PretrainedConfig):
+    """The model for ``config`` with every parameter on the meta device: nothing is allocated, not
+    even transiently (fused expert tensors of large models run to tens of GB per layer).
+
+    Buffers are then materialised on the CPU and recomputed by the model's own ``_init_weights``
+    (which transformers uses for the same purpose when it loads: rotary ``inv_freq`` and friends);
+    persistent buffers are overwritten by the checkpoint anyway.
+    """
+    with torch.device("meta"):
+        model = _from_config(config)
+    for module in model.modules():
+        meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta:
+            continue
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        init = getattr(model, "_init_weights", None)
+        if init is None:
+            raise CheckpointError(f"{type(model).__name__} cannot recompute the buffers of {type(module).__name__}")
+        init(module)
+    return model
 
 
 def model_experts(config_or_path) -> ModelExperts:
