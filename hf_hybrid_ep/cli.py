@@ -33,6 +33,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
 
+    from .planner import __doc__ as memory_model
+
+    p = sub.add_parser("plan", help="memory and communication of every dp × ep layout for a cluster",
+                       description=memory_model, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="config.json, a checkpoint directory, a Hub repo id (well-known "
+                   "MoE models are shipped: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, "
+                   "deepseek-ai/DeepSeek-V3, openai/gpt-oss-120b)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu-memory-gb", type=float, required=True)
+    p.add_argument("--topology", default=None, help="e.g. gpus_per_node=8,nvlink_gbps=300,network_gbps=25")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("report", help="plots and a summary of an expert_load.jsonl")
     p.add_argument("stats", help="expert_load.jsonl written during training")
     p.add_argument("--out", required=True, help="directory for the PNG plots and summary.txt")
@@ -63,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
             dropped = export_checkpoint(args.ckpt, args.out)
             print(f"wrote {args.out}")
             print("dropped side state: " + (", ".join(dropped) if dropped else "none"))
+        elif args.command == "plan":
+            from .planner import format_plan, plan
+
+            recipe = f"{args.precision}-{args.optimizer}"
+            if recipe == "fp32-sgd":
+                raise HybridEPConfigError("--precision fp32 --optimizer sgd is not a modelled recipe")
+            result = plan(args.model, args.gpus, args.gpu_memory_gb, args.topology, args.micro_batch, args.seq_len,
+                          recipe)
+            print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "report":
             from .metrics import write_report
 

@@ -1,0 +1,261 @@
+"""Memory and communication estimates for every dp × ep layout, before booking a cluster.
+
+Memory model (per GPU, layout dp × ep on W = dp·ep GPUs):
+
+* parameters held: ``P_dense + P_experts / ep`` (counted exactly from the model built on the meta
+  device: every tensor of the transformers model, experts found structurally);
+* training state per held parameter, recipe ``bf16-adamw`` (the default): bf16 weights 2 B + bf16
+  gradients 2 B + fp32 master weights 4 B + fp32 Adam moments 4 + 4 B = 16 B; ``fp32-adamw``:
+  4 + 4 + 4 + 4 = 16 B (no master copy); ``bf16-sgd``: 2 + 2 + 4 = 8 B;
+* activations for one micro-batch of B sequences of S tokens, bf16, per layer (Korthikanti et al.
+  2022, with a fused/flash attention kernel so no S×S score matrix is stored, plus the routed-expert
+  tensors): ``B·S·(10·H + k·(2·H + 6·I)) + 4·B·S·E`` bytes for an MoE layer (k experts per token of
+  width I, E experts) and ``34·B·S·H`` for a dense layer. With activation checkpointing: the layer
+  inputs ``2·B·S·H`` per layer plus one layer's full activations.
+
+Communication per optimizer step (one micro-batch, bf16 gradients and activations):
+
+* dense gradient all-reduce over the world (ring): ``2·(W−1)/W · 2·P_dense``;
+* expert gradient all-reduce over each EDP group of dp ranks: ``2·(dp−1)/dp · 2·P_experts/ep``;
+* all-to-all per MoE layer: ``k·B·S·H·2`` bytes routed, a fraction ``(ep−1)/ep`` crossing ranks,
+  for dispatch and combine, forward and backward (×4; ×6 with checkpointing, which recomputes the
+  forward).
+
+Time estimate: bytes over the link the collective crosses — NVLink inside a node, the network across
+nodes (EP groups are consecutive ranks, so they stay inside a node when ep ≤ GPUs per node).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+from .checkpoint.layout import _from_config
+from .experts import check_shardable, expert_parameter_names
+
+KNOWN_CONFIGS = Path(__file__).resolve().parent / "known_configs"
+RECIPES = {"bf16-adamw": (2, 2, 12), "fp32-adamw": (4, 4, 8), "bf16-sgd": (2, 2, 4)}  # weights, grads, optimizer
+
+
+@dataclass(frozen=True)
+class Topology:
+    """GPUs per node and nodes per rack; link bandwidths in GB/s per GPU."""
+
+    gpus_per_node: int = 8
+    nodes_per_rack: int = 0  # 0: one rack
+    racks: int = 0
+    nvlink_gbps: float = 300.0
+    network_gbps: float = 25.0
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Topology:
+        """``"gpus_per_node=8,nodes_per_rack=2,racks=2,nvlink_gbps=450,network_gbps=50"``."""
+        if not spec:
+            return cls()
+        values: dict[str, Any] = {}
+        for part in spec.split(","):
+            if not re.fullmatch(r"\w+=[\d.]+", part.strip()):
+                raise ValueError(f"topology item {part!r} must look like name=number")
+            name, value = part.strip().split("=")
+            if name not in cls.__dataclass_fields__:
+                raise ValueError(f"unknown topology key {name!r}; known: {sorted(cls.__dataclass_fields__)}")
+            values[name] = float(value) if "gbps" in name else int(value)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts of an architecture (exact, from the model built on the meta device)."""
+
+    model_type: str
+    total_params: int
+    dense_params: int
+    expert_params: int
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    dense_layers: int
+    hidden: int
+    heads: int
+    expert_width: int
+
+
+def load_config(model: str) -> PretrainedConfig:
+    """A config from a directory, a config.json, a shipped well-known repo id, or the Hub."""
+    path = Path(model)
+    shipped = KNOWN_CONFIGS / (model.replace("/", "__") + ".json")
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    if path.is_file():
+        return _config_from_json(path)
+    if shipped.is_file():
+        return _config_from_json(shipped)
+    return AutoConfig.from_pretrained(model)
+
+
+def _config_from_json(path: Path) -> PretrainedConfig:
+    import json
+
+    data = json.loads(path.read_text())
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
+
+
+def count_parameters(config: PretrainedConfig) -> ModelCounts:
+    import torch
+
+    with torch.device("meta"):
+        model = _from_config(config)
+    found = check_shardable(model)
+    expert_ids = set()
+    expert = 0
+    for name, module in found:
+        for pname in expert_parameter_names(name, module):
+            p = getattr(module, pname)
+            expert_ids.add(id(p))
+            expert += p.numel()
+    total = sum(p.numel() for p in model.parameters())
+    first = found[0][1]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = next(getattr(text, a) for a in ("num_experts_per_tok", "moe_k", "top_k") if hasattr(text, a))
+    width = first.down_proj.shape[1] if first.is_transposed else first.down_proj.shape[2]  # I
+    return ModelCounts(
+        model_type=config.model_type, total_params=total, dense_params=total - expert, expert_params=expert,
+        num_experts=first.num_experts, top_k=int(top_k), moe_layers=len(found),
+        dense_layers=int(text.num_hidden_layers) - len(found), hidden=int(text.hidden_size),
+        heads=int(text.num_attention_heads), expert_width=int(width),
+    )
+
+
+@dataclass
+class LayoutPlan:
+    dp: int
+    ep: int
+    params_per_gpu: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    activation_bytes_checkpointed: int
+    memory_per_gpu_bytes: int
+    memory_per_gpu_checkpointed_bytes: int
+    fits: bool
+    fits_with_checkpointing: bool
+    allreduce_bytes_per_step: int
+    a2a_bytes_per_step: int
+    comm_bytes_per_step: int
+    est_step_comm_s: float
+
+
+def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
+    attention = batch * seq * 10 * m.hidden
+    moe = attention + batch * seq * m.top_k * (2 * m.hidden + 6 * m.expert_width) + 4 * batch * seq * m.num_experts
+    dense = batch * seq * 34 * m.hidden
+    full = m.moe_layers * moe + m.dense_layers * dense
+    layers = m.moe_layers + m.dense_layers
+    checkpointed = 2 * batch * seq * m.hidden * layers + max(moe, dense if m.dense_layers else 0)
+    return full, checkpointed
+
+
+def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, topo: Topology,
+                batch: int, seq: int, recipe: str) -> LayoutPlan:
+    w, g, o = RECIPES[recipe]
+    held = m.dense_params + m.expert_params // ep
+    act, act_ckpt = _activations(m, batch, seq)
+    state = held * (w + g + o)
+    dense_ar = 2 * (gpus - 1) / gpus * m.dense_params * g if gpus > 1 else 0
+    expert_ar = 2 * (dp - 1) / dp * (m.expert_params / ep) * g if dp > 1 else 0
+    routed = m.top_k * batch * seq * m.hidden * 2 * m.moe_layers
+    a2a = routed * (ep - 1) / ep * 4
+    node_gpus = topo.gpus_per_node
+    multi_node = gpus > node_gpus
+    a2a_bw = topo.nvlink_gbps if ep <= node_gpus else topo.network_gbps
+    edp_bw = topo.network_gbps if multi_node and dp > 1 else topo.nvlink_gbps
+    world_bw = topo.network_gbps if multi_node else topo.nvlink_gbps
+    seconds = dense_ar / (world_bw * 1e9) + expert_ar / (edp_bw * 1e9) + a2a / (a2a_bw * 1e9)
+    return LayoutPlan(
+        dp=dp, ep=ep, params_per_gpu=held, weight_bytes=held * w, grad_bytes=held * g, optimizer_bytes=held * o,
+        activation_bytes=act, activation_bytes_checkpointed=act_ckpt, memory_per_gpu_bytes=state + act,
+        memory_per_gpu_checkpointed_bytes=state + act_ckpt, fits=state + act <= memory_bytes,
+        fits_with_checkpointing=state + act_ckpt <= memory_bytes, allreduce_bytes_per_step=int(dense_ar + expert_ar),
+        a2a_bytes_per_step=int(a2a), comm_bytes_per_step=int(dense_ar + expert_ar + a2a), est_step_comm_s=seconds,
+    )
+
+
+def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topology: str | None = None,
+         micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw") -> dict[str, Any]:
+    """Every dp × ep layout of ``gpus`` GPUs: memory, communication, fit; the recommended layout."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
+    config = load_config(model) if isinstance(model, str) else model
+    counts = count_parameters(config)
+    topo = Topology.parse(topology)
+    memory = int(gpu_memory_gb * 2**30)
+    layouts = [plan_layout(counts, gpus, gpus // ep, ep, memory, topo, micro_batch, seq_len, recipe)
+               for ep in range(1, gpus + 1) if gpus % ep == 0 and counts.num_experts % ep == 0]
+    fitting = [p for p in layouts if p.fits] or [p for p in layouts if p.fits_with_checkpointing]
+    best = min(fitting, key=lambda p: (p.est_step_comm_s, p.memory_per_gpu_bytes), default=None)
+    result: dict[str, Any] = {
+        "model": asdict(counts), "gpus": gpus, "gpu_memory_bytes": memory, "topology": asdict(topo),
+        "micro_batch": micro_batch, "seq_len": seq_len, "recipe": recipe,
+        "layouts": [asdict(p) for p in layouts],
+        "recommended": None if best is None else {"dp": best.dp, "ep": best.ep,
+                                                  "activation_checkpointing": not best.fits},
+    }
+    if best is None:
+        result["advice"] = _advice(counts, gpus, gpu_memory_gb, memory, topo, micro_batch, seq_len, recipe, layouts)
+    return result
+
+
+def _advice(counts: ModelCounts, gpus: int, gpu_memory_gb: float, memory: int, topo: Topology, batch: int, seq: int,
+            recipe: str, layouts: list[LayoutPlan]) -> dict[str, Any]:
+    """What would fit: memory per GPU depends on ep only, so find the smallest ep that fits."""
+    smallest = min(layouts, key=lambda p: p.memory_per_gpu_checkpointed_bytes)
+    eps = [ep for ep in range(1, counts.num_experts + 1) if counts.num_experts % ep == 0]
+    fitting = [ep for ep in eps if plan_layout(counts, ep, 1, ep, memory, topo, batch, seq, recipe).fits_with_checkpointing]
+    leanest = plan_layout(counts, eps[-1], 1, eps[-1], memory, topo, batch, seq, recipe)
+    if fitting:
+        ep = fitting[0]
+        needed = ep * gpus // math.gcd(ep, gpus)  # a GPU count that ep divides
+        message = (f"nothing fits on {gpus} × {gpu_memory_gb:g} GB: the leanest layout here (dp {smallest.dp} × ep "
+                   f"{smallest.ep}, checkpointed) needs {smallest.memory_per_gpu_checkpointed_bytes / 2**30:.1f} GiB per "
+                   f"GPU; with {needed} GPUs (ep {ep}) a layout fits")
+        return {"memory_per_gpu_needed_bytes": smallest.memory_per_gpu_checkpointed_bytes, "gpus_needed": needed,
+                "message": message}
+    message = (f"nothing fits on {gpus} × {gpu_memory_gb:g} GB, and more GPUs of this size do not help: even at ep = "
+               f"{eps[-1]} (one expert per rank) a GPU holds the dense weights plus its experts, "
+               f"{leanest.memory_per_gpu_checkpointed_bytes / 2**30:.1f} GiB with checkpointing; it needs GPUs with at "
+               "least that much memory, or optimizer-state / dense-weight sharding")
+    return {"memory_per_gpu_needed_bytes": leanest.memory_per_gpu_checkpointed_bytes, "gpus_needed": None,
+            "message": message}
+
+
+def format_plan(result: dict[str, Any]) -> str:
+    m = result["model"]
+    lines = [f"{m['model_type']}: {m['total_params'] / 1e9:.2f}B parameters ({m['dense_params'] / 1e9:.2f}B dense, "
+             f"{m['expert_params'] / 1e9:.2f}B in {m['num_experts']} experts × {m['moe_layers']} MoE layers, top-{m['top_k']}); "
+             f"{result['gpus']} GPUs × {result['gpu_memory_bytes'] / 2**30:.0f} GiB, recipe {result['recipe']}, "
+             f"micro-batch {result['micro_batch']} × {result['seq_len']} tokens",
+             "| dp × ep | params/GPU | state GiB | activations GiB (ckpt) | total GiB (ckpt) | fits | comm MiB/step | est comm s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in result["layouts"]:
+        state = (p["weight_bytes"] + p["grad_bytes"] + p["optimizer_bytes"]) / 2**30
+        fits = "yes" if p["fits"] else ("ckpt" if p["fits_with_checkpointing"] else "no")
+        lines.append(f"| {p['dp']} × {p['ep']} | {p['params_per_gpu'] / 1e9:.2f}B | {state:.1f} | "
+                     f"{p['activation_bytes'] / 2**30:.1f} ({p['activation_bytes_checkpointed'] / 2**30:.1f}) | "
+                     f"{p['memory_per_gpu_bytes'] / 2**30:.1f} ({p['memory_per_gpu_checkpointed_bytes'] / 2**30:.1f}) | "
+                     f"{fits} | {p['comm_bytes_per_step'] / 2**20:.0f} | {p['est_step_comm_s']:.3f} |")
+    rec = result["recommended"]
+    if rec is None:
+        lines.append(result["advice"]["message"])
+    else:
+        lines.append(f"recommended: dp {rec['dp']} × ep {rec['ep']}"
+                     + (" with activation checkpointing" if rec["activation_checkpointing"] else ""))
+    return "\n".join(lines)
+

@@ -1,0 +1,66 @@
+"""hf-hybrid-ep plan: exact parameter and byte counts, fit decisions, advice when nothing fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import MixtralConfig
+
+from hf_hybrid_ep.cli import main as cli
+from hf_hybrid_ep.planner import Topology, count_parameters, plan
+
+TINY = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     tie_word_embeddings=False)
+
+
+def test_parameter_counts_match_a_hand_computation():
+    counts = count_parameters(TINY)
+    embeddings = 2 * 128 * 64  # input embeddings + lm_head
+    attention = 64 * 64 + 2 * (64 * 32) + 64 * 64  # q, k, v (2 kv heads × 16), o
+    per_layer_dense = attention + 2 * 64 + 4 * 64  # + two norms + router
+    experts = 2 * (4 * 64 * 64 + 4 * 64 * 32)  # 2 layers × (gate_up [4,64,64] + down [4,64,32])
+    assert counts.expert_params == experts
+    assert counts.dense_params == embeddings + 2 * per_layer_dense + 64  # + final norm
+    assert counts.total_params == 90944 == counts.dense_params + counts.expert_params
+
+
+def test_layout_bytes_follow_the_recipe_exactly():
+    result = plan(TINY, gpus=4, gpu_memory_gb=1, micro_batch=1, seq_len=8)
+    counts = result["model"]
+    by_layout = {(p["dp"], p["ep"]): p for p in result["layouts"]}
+    assert set(by_layout) == {(4, 1), (2, 2), (1, 4)}
+    for (_dp, ep), p in by_layout.items():
+        held = counts["dense_params"] + counts["expert_params"] // ep
+        assert p["params_per_gpu"] == held
+        assert (p["weight_bytes"], p["grad_bytes"], p["optimizer_bytes"]) == (2 * held, 2 * held, 12 * held)
+        assert p["memory_per_gpu_bytes"] == 16 * held + p["activation_bytes"]
+    assert by_layout[(1, 4)]["a2a_bytes_per_step"] > by_layout[(2, 2)]["a2a_bytes_per_step"] > 0
+    assert by_layout[(4, 1)]["a2a_bytes_per_step"] == 0
+    assert result["recommended"] is not None
+
+
+def test_mixtral_8x7b_parameter_count_is_the_published_one():
+    result = plan("mistralai/Mixtral-8x7B-v0.1", gpus=8, gpu_memory_gb=141)
+    assert abs(result["model"]["total_params"] - 46.7e9) / 46.7e9 <= 0.005
+    assert result["recommended"] == {"dp": 1, "ep": 8, "activation_checkpointing": False}
+
+
+def test_nothing_fits_says_what_would(capsys):
+    assert cli(["plan", "--model", "mistralai/Mixtral-8x7B-v0.1", "--gpus", "8", "--gpu-memory-gb", "40",
+                "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["recommended"] is None and not any(p["fits"] for p in result["layouts"])
+    assert "more GPUs of this size do not help" in result["advice"]["message"]
+    for key in ("dp", "ep", "memory_per_gpu_bytes", "fits", "comm_bytes_per_step", "est_step_comm_s"):
+        assert key in result["layouts"][0]
+    # a model whose experts can be spread thinner: more GPUs do help
+    more = plan(TINY, gpus=1, gpu_memory_gb=0.0013, seq_len=8)
+    assert more["recommended"] is None and more["advice"]["gpus_needed"] in (2, 4)
+
+
+def test_topology_spec():
+    assert Topology.parse("gpus_per_node=4,network_gbps=50").gpus_per_node == 4
+    with pytest.raises(ValueError, match="unknown topology key 'gpu'"):
+        Topology.parse("gpu=4")
