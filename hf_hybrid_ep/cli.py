@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("place", help="load-balanced expert placement (with hot-expert replicas) from load stats")
+    p.add_argument("--stats", required=True, help="expert_load.jsonl written during training")
+    p.add_argument("--ep-degree", type=int, required=True)
+    p.add_argument("--replicas", type=int, default=0, help="extra copies of the hottest experts per layer")
+    p.add_argument("--out", required=True, help="placement.json (one table per MoE layer)")
+
     p = sub.add_parser("report", help="plots and a summary of an expert_load.jsonl")
     p.add_argument("stats", help="expert_load.jsonl written during training")
     p.add_argument("--out", required=True, help="directory for the PNG plots and summary.txt")
@@ -88,6 +94,21 @@ def main(argv: list[str] | None = None) -> int:
             result = plan(args.model, args.gpus, args.gpu_memory_gb, args.topology, args.micro_batch, args.seq_len,
                           recipe)
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
+        elif args.command == "place":
+            from .metrics import read_jsonl
+            from .placement import place_report
+
+            records = read_jsonl(args.stats)
+            layers = {}
+            for name in records[0]["layers"]:
+                loads = [sum(r["layers"][name]["tokens_per_expert"][e] for r in records if name in r["layers"])
+                         for e in range(len(records[0]["layers"][name]["tokens_per_expert"]))]
+                layers[name] = place_report(loads, args.ep_degree, args.replicas)
+                print(f"{name}: rank imbalance (max/mean) contiguous {layers[name]['imbalance_contiguous']:.3f} -> "
+                      f"balanced {layers[name]['imbalance_balanced']:.3f}")
+            with open(args.out, "w") as f:
+                json.dump({"ep_degree": args.ep_degree, "replicas": args.replicas, "layers": layers}, f, indent=1)
+            print(f"wrote {args.out}")
         elif args.command == "report":
             from .metrics import write_report
 
