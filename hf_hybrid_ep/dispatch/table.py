@@ -32,6 +32,7 @@ class PlacementTable:
     _replica_rank: torch.Tensor = field(init=False, repr=False, compare=False)
     _replica_slot: torch.Tensor = field(init=False, repr=False, compare=False)
     _num_replicas: torch.Tensor = field(init=False, repr=False, compare=False)
+    _on_device: dict = field(init=False, repr=False, compare=False)  # device -> (ranks, slots, counts)
 
     def __post_init__(self) -> None:
         E, ep = self.num_experts, len(self.rows)
@@ -62,6 +63,7 @@ class PlacementTable:
         object.__setattr__(self, "_replica_rank", replica_rank)
         object.__setattr__(self, "_replica_slot", replica_slot)
         object.__setattr__(self, "_num_replicas", torch.tensor([len(h) for h in holders], dtype=torch.long))
+        object.__setattr__(self, "_on_device", {})
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -117,11 +119,13 @@ class PlacementTable:
             ``(dest_rank [N], dest_slot [N])``, int64 on ``expert_ids.device``.
         """
         device = expert_ids.device
-        ranks = self._replica_rank.to(device)
-        slots = self._replica_slot.to(device)
+        if device not in self._on_device:  # copied to each device once, not on every call
+            self._on_device[device] = tuple(t.to(device) for t in (self._replica_rank, self._replica_slot,
+                                                                   self._num_replicas))
+        ranks, slots, counts = self._on_device[device]
         if ranks.size(1) == 1:
             return ranks[expert_ids, 0], slots[expert_ids, 0]
-        num_rep = self._num_replicas.to(device)[expert_ids]
+        num_rep = counts[expert_ids]
         own = ranks[expert_ids] == src_ep_rank  # [N, R]
         position = torch.arange(expert_ids.numel(), device=device)
         choice = torch.where(own.any(dim=1), own.long().argmax(dim=1), position % num_rep)
