@@ -23,6 +23,7 @@ from ..dispatch import PlacementTable
 from .format import (
     INDEX_NAME,
     SINGLE_NAME,
+    CheckpointIndex,
     FileInfo,
     HybridEPMetadata,
     dense_file,
@@ -122,7 +123,7 @@ def _prepare_out(out: Path) -> Path:
 
 
 def _rewrite(
-    src_dir: Path,
+    index: CheckpointIndex,
     out: Path,
     plan: Callable[[dict[str, TensorSpec]], dict[str, list[TensorSpec]]],
     finish: Callable[[Path, dict[str, str], dict[str, FileInfo], int], None],
@@ -130,8 +131,8 @@ def _rewrite(
     progress: bool,
     keep_hybrid_state: bool = True,
 ) -> Path:
-    """Stream every tensor of ``src_dir`` into the files ``plan`` lays out, then ``finish`` the index."""
-    index = read_index(src_dir)
+    """Stream every tensor of a (checked) source index into the files ``plan`` lays out, then ``finish``."""
+    src_dir = index.root
     if index.hybrid_ep is not None:
         verify_checksums(index)
     layout = plan({k: _cast(s, dtype) for k, s in index.specs.items()})
@@ -193,9 +194,9 @@ def convert_checkpoint(
     src_dir, source = resolve_source(src, revision)
     experts = model_experts(src_dir)
     table = PlacementTable.contiguous(experts.num_experts, ep_degree)
-    index_source = read_index(src_dir).hybrid_ep
-    if index_source is not None:
-        source = index_source.source
+    index = read_index(src_dir)
+    if index.hybrid_ep is not None:
+        source = index.hybrid_ep.source
     state: dict[str, Any] = {}
 
     def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
@@ -236,7 +237,7 @@ def convert_checkpoint(
         )
         write_index(tmp, weight_map, total, meta)
 
-    return _rewrite(src_dir, Path(out), plan, finish, torch_dtype, progress)
+    return _rewrite(index, Path(out), plan, finish, torch_dtype, progress)
 
 
 def export_checkpoint(
@@ -264,5 +265,5 @@ def export_checkpoint(
     def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
         write_index(tmp, weight_map, total, None)
 
-    _rewrite(src_dir, Path(out), plan, finish, None, progress, keep_hybrid_state=False)
+    _rewrite(index, Path(out), plan, finish, None, progress, keep_hybrid_state=False)
     return dropped

@@ -97,7 +97,8 @@ class CheckpointIndex:
         return self.root / name
 
 
-def _safe_member(root: Path, name: str, index_path: Path) -> Path:
+def safe_member(root: Path, name: str, index_path: Path | str) -> Path:
+    """``root / name``, refusing a file name that reaches outside the checkpoint directory."""
     if os.path.isabs(name) or ".." in Path(name).parts or "/" in name or "\\" in name:
         raise CheckpointError(f"{str(index_path)!r} names file {name!r} outside the checkpoint directory")
     return root / name
@@ -139,7 +140,7 @@ def read_index(root: str | os.PathLike[str]) -> CheckpointIndex:
     for key, name in weight_map.items():
         by_file.setdefault(name, []).append(key)
     for name, keys in sorted(by_file.items()):
-        file_specs, _ = read_header(_safe_member(root, name, index_path))
+        file_specs, _ = read_header(safe_member(root, name, index_path))
         for key in keys:
             if key not in file_specs:
                 raise CheckpointError(f"{name}: the index maps key {key!r} to this file, but the file lacks it")

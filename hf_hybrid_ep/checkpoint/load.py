@@ -24,7 +24,7 @@ from transformers import AutoConfig
 
 from ..config import HybridEPConfig
 from ..experts import ExpertParallelLayer
-from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME
+from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
 from .layout import build_meta_model
 from .safetensors_io import CheckpointError, read_header
 from .side_state import load_side_state
@@ -101,10 +101,9 @@ class _Reader:
 
     def _handle(self, key: str):
         name = self.weight_map[key]
-        if os.path.isabs(name) or ".." in Path(name).parts:
-            raise CheckpointError(f"the index names file {name!r} outside the checkpoint directory")
         if name not in self._handles:
-            path = self.fetch(name) if self.fetch is not None else self.root / name
+            member = safe_member(self.root, name, INDEX_NAME)
+            path = self.fetch(name) if self.fetch is not None else member
             read_header(path)  # a clear error for a missing or truncated file
             self._handles[name] = safe_open(path, framework="pt")
         return self._handles[name]
@@ -192,6 +191,15 @@ def load_rank_local_(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
+
+
+def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module) -> None:
+    """Resume: copy a hybrid-EP (or plain) checkpoint into a live parallelized model, in place —
+    weights (this rank's experts only) and the side state."""
+    from ..parallelize import state_of
+
+    load_rank_local_(Path(root), model, state_of(model).layers)
+    load_side_state(model, root)
 
 
 def from_pretrained(

@@ -24,9 +24,8 @@ from accelerate.checkpointing import load_accelerator_state, save_accelerator_st
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..checkpoint.load import load_rank_local_
+from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import save_hybrid_checkpoint
-from ..checkpoint.side_state import load_side_state
 from ..parallelize import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
 
@@ -89,8 +88,7 @@ def load_state(
     """Restore a :func:`save_state` directory into a model prepared at the same or another EP degree."""
     input_dir = Path(input_dir)
     hybrid = _unwrap(accelerator, model)
-    load_rank_local_(input_dir / "model", hybrid, state_of(hybrid).layers)
-    load_side_state(hybrid, input_dir / "model")
+    load_checkpoint_into_(input_dir / "model", hybrid)
     load_optimizer_state(hybrid, getattr(optimizer, "optimizer", optimizer), input_dir / "optimizer")
     load_accelerator_state(
         str(input_dir / "accelerate"), models=[], optimizers=[], schedulers=list(schedulers),

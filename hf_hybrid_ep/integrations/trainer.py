@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,9 +21,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..amp import agree_found_inf_
-from ..checkpoint.load import load_rank_local_
+from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import save_hybrid_checkpoint
-from ..checkpoint.side_state import load_side_state
 from ..consistency import verify_replicas
 from ..freeze import ExpertFreezer
 from ..grads import clip_grad_norm_
@@ -125,8 +123,7 @@ class HybridEPTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         model = self.hybrid_model if model is None else self.accelerator.unwrap_model(model)
-        load_rank_local_(Path(resume_from_checkpoint), model, state_of(model).layers)
-        load_side_state(model, resume_from_checkpoint)
+        load_checkpoint_into_(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
