@@ -15,6 +15,7 @@ from .grads import clip_grad_norm_, no_sync
 from .hub import push_to_hub
 from .mesh import HybridMesh, build_mesh
 from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, routing_step, state_of
+from .zero import ShardedOptimizer, make_optimizer, shard_optimizer
 
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 
@@ -37,6 +38,7 @@ __all__ = [
     "HybridEPConfigError",
     "HybridMesh",
     "is_fused_experts",
+    "make_optimizer",
     "no_sync",
     "offload",
     "parallelize",
@@ -45,5 +47,7 @@ __all__ = [
     "reset_comm_stats",
     "resize_offload",
     "routing_step",
+    "shard_optimizer",
+    "ShardedOptimizer",
     "state_of",
 ]

@@ -20,6 +20,8 @@ ENV_PREFIX = "HF_HYBRID_EP_"
 DISPATCHER_BACKENDS = ("auto", "torch", "triton")
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
+OPTIMIZER_SHARDINGS = ("none", "zero1")
+DENSE_SHARDINGS = ("replicate", "fsdp")
 
 
 class HybridEPConfigError(ValueError):
@@ -93,6 +95,17 @@ class HybridEPConfig:
         force_balanced_routing: for benchmarking, token t's j-th choice is expert ``(t·k + j) mod E``.
         dead_expert_steps: an expert that received no token for this many optimizer steps is
             reported dead by the load metrics.
+
+    Memory scaling (docs/memory.md):
+
+        optimizer_sharding: ``"none"`` (every rank keeps the optimizer state of everything it holds) or
+            ``"zero1"``: the state of dense parameters is sharded over the world and that of each expert
+            over its EDP group; gradients are reduce-scattered, each rank steps its shard and the
+            updated parameters are all-gathered. Build the optimizer with
+            :func:`hf_hybrid_ep.make_optimizer` (the Trainer does).
+        dense_sharding: ``"replicate"`` (dense weights on every rank, the default and fastest) or
+            ``"fsdp"``: dense weights FSDP2-sharded over the world (``fully_shard`` per decoder layer and
+            the root), experts left to the engine.
     """
 
     dp_degree: int | None = None
@@ -113,6 +126,8 @@ class HybridEPConfig:
     bias_update_rate: float | None = None
     force_balanced_routing: bool = False
     dead_expert_steps: int = 100
+    optimizer_sharding: str = "none"
+    dense_sharding: str = "replicate"
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +219,12 @@ class HybridEPConfig:
             raise HybridEPConfigError(f"overlap_degree={self.overlap_degree!r} must be a positive integer")
         if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:
             raise HybridEPConfigError(f"dead_expert_steps={self.dead_expert_steps!r} must be a positive integer")
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise HybridEPConfigError(
+                f"optimizer_sharding={self.optimizer_sharding!r} must be one of {list(OPTIMIZER_SHARDINGS)}"
+            )
+        if self.dense_sharding not in DENSE_SHARDINGS:
+            raise HybridEPConfigError(f"dense_sharding={self.dense_sharding!r} must be one of {list(DENSE_SHARDINGS)}")
 
     def selection_controls_on(self) -> bool:
         """Whether any control needs the router's selection rule to be replaced."""

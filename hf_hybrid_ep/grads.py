@@ -75,11 +75,13 @@ class GradientReducer:
         # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
         self.sync_predicate: Callable[[], bool] | None = None
         self.stats = ReducerStats()
+        # A zero.ZeroSharding once a sharded optimizer exists: reduce-scatter instead of all-reduce.
+        self.sharding = None
         self._queued = False
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for p in self.parameters()
-            if p.requires_grad
+            if p.requires_grad and not _is_dtensor(p)  # FSDP2 reduces (and assigns) its own gradients
         ]
 
     def parameters(self) -> list[nn.Parameter]:
@@ -109,9 +111,14 @@ class GradientReducer:
     def reduce(self) -> None:
         """Reduce all gradients now (called automatically at the end of ``backward``)."""
         for p in self.parameters():
-            if p.requires_grad and p.grad is None:
+            if p.requires_grad and p.grad is None and not _is_dtensor(p):
                 p.grad = torch.zeros_like(p)
         world = self.mesh.world_size
+        if self.sharding is not None:
+            self.sharding.reduce_scatter_grads(world, dense_reduced=not self.reduce_dense)
+            self._count_sharded()
+            self.stats.reductions += 1
+            return
         if self.reduce_dense:
             for bucket in _buckets_by_size([p for p in self.dense if p.requires_grad], DENSE_BUCKET_BYTES):
                 grads = [p.grad for p in bucket]
@@ -136,31 +143,74 @@ class GradientReducer:
                 offset += rows.numel()
         self.stats.reductions += 1
 
+    def _count_sharded(self) -> None:
+        for b in self.sharding.buckets:
+            if b.group is None or (b.kind == "dense" and not self.reduce_dense):
+                continue
+            nbytes = b.size * b.shard * b.pieces[0].param.element_size()  # reduce-scatter input per rank
+            if b.kind == "dense":
+                self.stats.dense_bytes += nbytes
+            else:
+                self.stats.expert_bytes += nbytes
+
     # ------------------------------------------------------------------ norm
+    def _norm_terms(self) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """Gradients for the norm: ``replicated`` (identical on every rank, counted once) and ``partial``
+        (``(grad, per-slot weights or None)``, whose sum over the world counts every element once)."""
+        replicated: list[torch.Tensor] = []
+        partial: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        sharded = self.sharding.sharded_params if self.sharding is not None else set()
+        if self.sharding is not None:
+            self.sharding.attach_grads()
+            partial += [(o.view.grad, None) for o in self.sharding.owned() if o.view.grad is not None]
+        for p in self.dense:
+            if p.grad is None or id(p) in sharded:
+                continue
+            if _is_dtensor(p.grad):
+                partial.append((p.grad.to_local(), None))
+            else:
+                replicated.append(p.grad)
+        for p, weight in self.expert_norm_weights:
+            if p.grad is not None and id(p) not in sharded:
+                partial.append((p.grad, weight))
+        return replicated, partial
+
     @torch.no_grad()
     def global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the full model's gradient (each expert counted once), identical on every rank."""
         device = current_device(self.mesh)  # NCCL reduces device tensors only
-        dense = [p.grad for p in self.dense if p.grad is not None]
+        replicated, partial = self._norm_terms()
         if norm_type == math.inf:
-            local = [g.abs().max().float().to(device) for g in dense]
-            local += [p.grad.abs().amax().float().to(device) for p, _ in self.expert_norm_weights if p.grad is not None]
+            local = [g.abs().max().float().to(device) for g in replicated if g.numel()]
+            local += [g.abs().amax().float().to(device) for g, _ in partial if g.numel()]
             total = torch.stack(local).max() if local else torch.zeros((), device=device)
             if self.mesh.world_group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
             return total
         dense_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for g in dense:
+        for g in replicated:
             dense_sum += g.double().abs().pow(norm_type).sum().to(device)
-        expert_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for p, weight in self.expert_norm_weights:
-            if p.grad is None:
-                continue
-            per_slot = p.grad.double().abs().pow(norm_type).reshape(p.shape[0], -1).sum(1)
-            expert_sum += (per_slot * weight.to(per_slot.device)).sum().to(device)
+        partial_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for g, weight in partial:
+            if weight is None:
+                partial_sum += g.double().abs().pow(norm_type).sum().to(device)
+            else:
+                per_slot = g.double().abs().pow(norm_type).reshape(g.shape[0], -1).sum(1)
+                partial_sum += (per_slot * weight.to(per_slot.device)).sum().to(device)
         if self.mesh.world_group is not None:
-            dist.all_reduce(expert_sum, group=self.mesh.world_group)
-        return (dense_sum + expert_sum).pow(1.0 / norm_type).float()
+            dist.all_reduce(partial_sum, group=self.mesh.world_group)
+        return (dense_sum + partial_sum).pow(1.0 / norm_type).float()
+
+    def clip_targets(self) -> list[torch.Tensor]:
+        """The gradients the optimizer will read (shard views under zero1, local shards under FSDP)."""
+        replicated, partial = self._norm_terms()
+        return replicated + [g for g, _ in partial]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _buckets_by_size(params: list[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
@@ -213,7 +263,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     reducer = reducer_of(model)
     total = reducer.global_grad_norm(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in reducer.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    for g in reducer.clip_targets():
+        g.mul_(coef.to(g.device, g.dtype))
     return total

@@ -13,7 +13,7 @@ from torch import nn
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
 from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
-from .grads import ExpertBucket, GradientReducer
+from .grads import ExpertBucket, GradientReducer, _is_dtensor
 from .mesh import HybridMesh, build_mesh, current_device, default_device_type
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 
@@ -168,13 +168,34 @@ def parallelize(
     if config.aux_loss_coef or config.z_loss_coef:
         add_aux_losses_hook(model, layers)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
+    if config.dense_sharding == "fsdp":
+        _fully_shard_dense(model, layers, mesh)
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     buckets, norm_weights = _expert_buckets(layers, mesh)
-    reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=config.reduce_dense_gradients)
+    reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
+    reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=reduce_dense)
     model._hybrid_ep = HybridEPState(config, mesh, layers, reducer)
     _wrap_save_pretrained(model)
     _wrap_generate(model)
     return model
+
+
+def _fully_shard_dense(model: nn.Module, layers: list[ExpertParallelLayer], mesh: HybridMesh) -> None:
+    """FSDP2-shard the dense weights over the world: ``fully_shard`` on every decoder layer (the classes
+    in the model's ``_no_split_modules``) and on the root, with the expert parameters ignored (the
+    engine shards and reduces them)."""
+    if mesh.world_group is None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_mesh = DeviceMesh.from_group(mesh.world_group, mesh.device_type)
+    experts = {p for layer in layers for p in layer.expert_parameters()}
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module, mesh=world_mesh, ignored_params=experts & set(module.parameters()))
+    fully_shard(model, mesh=world_mesh, ignored_params=experts)
 
 
 def _wrap_generate(model: nn.Module) -> None:
@@ -212,7 +233,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective over each EP group: call on every rank.
     """
     state = state_of(model)
-    full = model.state_dict()
+    full = {k: v.full_tensor() if _is_dtensor(v) else v for k, v in model.state_dict().items()}  # FSDP2
     for layer in state.layers:
         for pname in layer.param_names:
             full[f"{layer.name}.{pname}"] = layer.gather_full(pname)

@@ -48,6 +48,13 @@ def _rank_slice(inputs: dict, rank: int) -> dict:
     return {k: (v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in inputs.items()}
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2-sharded dense weight or gradient) assembled whole; other tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _local_view(model, tensor_of_ref, p):
     state = hep.state_of(model)
     for layer in state.layers:
@@ -69,7 +76,8 @@ def _compare_params(model, ref, ref64=None) -> dict:
     worst, worst_name, violations, floor_cases = 0.0, "", [], []
     for name, p in model.named_parameters():
         r = _local_view(model, ref_params[name].detach(), p)
-        rel = _rel(p.detach(), r)
+        p = _full(p.detach())
+        rel = _rel(p, r)
         if rel > worst:
             worst, worst_name = rel, name
         if rel <= REL_TOL:
@@ -104,6 +112,8 @@ def train_parity(
     gradient_checkpointing: bool = False,
     dispatcher: str = "auto",
     expert_alignment: int = 1,
+    optimizer_sharding: str = "none",
+    dense_sharding: str = "replicate",
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -117,12 +127,13 @@ def train_parity(
     if dispatcher == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
-                                expert_alignment=expert_alignment)
+                                expert_alignment=expert_alignment, optimizer_sharding=optimizer_sharding,
+                                dense_sharding=dense_sharding)
     hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
-    models = (model, ref, ref64)
-    opts = [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in models]
+    opts = [hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)]
+    opts += [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in (ref, ref64)]
     ref_grads = dict(ref.named_parameters())
     loss_diffs, norm_diffs, norms, grad_diffs = [], [], [], []
     for step in range(steps):
@@ -139,11 +150,7 @@ def train_parity(
             dist.all_reduce(mean_loss)
             loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
         if step == 0:
-            grad_diffs = [
-                _rel(p.grad, _local_view(model, ref_grads[n].grad, p))
-                for n, p in model.named_parameters()
-                if p.requires_grad
-            ]
+            grad_diffs = _grad_diffs(model, ref_grads)
             frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
         norm = hep.clip_grad_norm_(model, max_norm)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
@@ -162,6 +169,28 @@ def train_parity(
         "frozen_with_grad": frozen_with_grad,
         **_compare_params(model, ref, ref64),
     }
+
+
+def _grad_diffs(model, ref_params: dict) -> list[float]:
+    """Per-tensor relative gradient differences vs the reference; under zero1 only the owned shards
+    hold reduced gradients, so those slices are compared."""
+    sharding = hep.state_of(model).reducer.sharding
+    names = {id(p): n for n, p in model.named_parameters()}
+    diffs = []
+    if sharding is not None:  # per whole tensor: ‖a − b‖² and ‖b‖² summed over the owners of its pieces
+        sharding.attach_grads()
+        order = [n for n, p in model.named_parameters() if id(p) in sharding.sharded_params]
+        sums = torch.zeros(len(order), 2, dtype=torch.float64)
+        for o in sharding.owned():
+            n = names[id(o.param)]
+            want = _local_view(model, ref_params[n].grad, o.param).reshape(-1)[o.start : o.stop].double()
+            sums[order.index(n)] += torch.stack([(o.view.grad.double() - want).pow(2).sum(), want.pow(2).sum()])
+        dist.all_reduce(sums)
+        diffs += [(num / den).sqrt().item() if den > 0 else num.sqrt().item() for num, den in sums]
+    for n, p in model.named_parameters():
+        if p.requires_grad and (sharding is None or id(p) not in sharding.sharded_params):
+            diffs.append(_rel(_full(p.grad), _local_view(model, ref_params[n].grad, p)))
+    return diffs
 
 
 def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = torch.float32) -> dict:
