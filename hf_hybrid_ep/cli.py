@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--optimizer-sharding", choices=["none", "zero1"], default="none",
+                   help="zero1: optimizer state sharded over the world (dense) and the EDP group (experts)")
+    p.add_argument("--dense-sharding", choices=["replicate", "fsdp"], default="replicate",
+                   help="fsdp: dense weights, gradients and state FSDP2-sharded over the world")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("place", help="load-balanced expert placement (with hot-expert replicas) from load stats")
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             if recipe == "fp32-sgd":
                 raise HybridEPConfigError("--precision fp32 --optimizer sgd is not a modelled recipe")
             result = plan(args.model, args.gpus, args.gpu_memory_gb, args.topology, args.micro_batch, args.seq_len,
-                          recipe)
+                          recipe, args.optimizer_sharding, args.dense_sharding)
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "place":
             from .metrics import read_jsonl

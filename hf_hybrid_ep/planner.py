@@ -7,6 +7,12 @@ Memory model (per GPU, layout dp × ep on W = dp·ep GPUs):
 * training state per held parameter, recipe ``bf16-adamw`` (the default): bf16 weights 2 B + bf16
   gradients 2 B + fp32 master weights 4 B + fp32 Adam moments 4 + 4 B = 16 B; ``fp32-adamw``:
   4 + 4 + 4 + 4 = 16 B (no master copy); ``bf16-sgd``: 2 + 2 + 4 = 8 B;
+* sharding (``--optimizer-sharding``, ``--dense-sharding``; docs/memory.md), exact per rank:
+  ``zero1`` keeps optimizer state for one shard of a flat bucket: the dense parameters (N elements)
+  over all W ranks, a rank's experts (M = P_experts/ep) over its dp EDP ranks; a bucket of N elements
+  over G ranks gives member i ``clamp(N − i·ceil(N/G), 0, ceil(N/G))`` elements. ``fsdp`` shards each
+  dense tensor on dim 0 over W ranks (FSDP2): rank r keeps ``clamp(d0 − r·ceil(d0/W), 0, ceil(d0/W))``
+  rows of weights, gradients and optimizer state. The table shows rank 0, which holds the most;
 * activations for one micro-batch of B sequences of S tokens, bf16, per layer (Korthikanti et al.
   2022, with a fused/flash attention kernel so no S×S score matrix is stored, plus the routed-expert
   tensors): ``B·S·(10·H + k·(2·H + 6·I)) + 4·B·S·E`` bytes for an MoE layer (k experts per token of
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +46,8 @@ from .experts import check_shardable, expert_parameter_names
 
 KNOWN_CONFIGS = Path(__file__).resolve().parent / "known_configs"
 RECIPES = {"bf16-adamw": (2, 2, 12), "fp32-adamw": (4, 4, 8), "bf16-sgd": (2, 2, 4)}  # weights, grads, optimizer
+OPTIMIZER_SHARDINGS = ("none", "zero1")
+DENSE_SHARDINGS = ("replicate", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class ModelCounts:
     hidden: int
     heads: int
     expert_width: int
+    dense_shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)  # for FSDP's dim-0 shards
 
 
 def load_config(model: str) -> PretrainedConfig:
@@ -130,7 +139,47 @@ def count_parameters(config: PretrainedConfig) -> ModelCounts:
         num_experts=first.num_experts, top_k=int(top_k), moe_layers=len(found),
         dense_layers=int(text.num_hidden_layers) - len(found), hidden=int(text.hidden_size),
         heads=int(text.num_attention_heads), expert_width=int(width),
+        dense_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in expert_ids),
     )
+
+
+def _shard_numel(n: int, members: int, index: int) -> int:
+    """Elements member ``index`` of ``members`` owns of an ``n``-element flat bucket (ceil-sized shards)."""
+    size = math.ceil(n / members)
+    return max(0, min(n - index * size, size))
+
+
+def _fsdp_numel(shapes: tuple[tuple[int, ...], ...], world: int, rank: int) -> int:
+    """Elements of the dense tensors that FSDP2 leaves on ``rank`` (dim-0 chunks of ``ceil(d0/W)`` rows)."""
+    total = 0
+    for shape in shapes:
+        rest = math.prod(shape[1:])
+        total += _shard_numel(shape[0], world, rank) * rest if shape else 1
+    return total
+
+
+def rank_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int = 0, recipe: str = "bf16-adamw",
+                     optimizer_sharding: str = "none", dense_sharding: str = "replicate") -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state on global rank ``rank`` of a dp × ep layout.
+
+    The same formula the engine's :func:`hf_hybrid_ep.memory.memory_report` measures (contiguous
+    placement; every parameter trainable).
+    """
+    if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+        raise ValueError(f"optimizer_sharding={optimizer_sharding!r} is not one of {list(OPTIMIZER_SHARDINGS)}")
+    if dense_sharding not in DENSE_SHARDINGS:
+        raise ValueError(f"dense_sharding={dense_sharding!r} is not one of {list(DENSE_SHARDINGS)}")
+    w, g, o = RECIPES[recipe]
+    world = dp * ep
+    experts = m.expert_params // ep
+    dense = _fsdp_numel(m.dense_shapes, world, rank) if dense_sharding == "fsdp" else m.dense_params
+    held = dense + experts
+    if optimizer_sharding == "zero1":
+        dense_state = dense if dense_sharding == "fsdp" else _shard_numel(m.dense_params, world, rank)
+        state = dense_state + _shard_numel(experts, dp, rank // ep)
+    else:
+        state = held
+    return {"params": held, "weight_bytes": held * w, "grad_bytes": held * g, "optimizer_bytes": state * o}
 
 
 @dataclass
@@ -164,11 +213,13 @@ def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
 
 
 def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, topo: Topology,
-                batch: int, seq: int, recipe: str) -> LayoutPlan:
+                batch: int, seq: int, recipe: str, optimizer_sharding: str = "none",
+                dense_sharding: str = "replicate") -> LayoutPlan:
     w, g, o = RECIPES[recipe]
-    held = m.dense_params + m.expert_params // ep
+    rank0 = rank_state_bytes(m, dp, ep, 0, recipe, optimizer_sharding, dense_sharding)  # rank 0 holds the most
+    held = rank0["params"]
     act, act_ckpt = _activations(m, batch, seq)
-    state = held * (w + g + o)
+    state = rank0["weight_bytes"] + rank0["grad_bytes"] + rank0["optimizer_bytes"]
     dense_ar = 2 * (gpus - 1) / gpus * m.dense_params * g if gpus > 1 else 0
     expert_ar = 2 * (dp - 1) / dp * (m.expert_params / ep) * g if dp > 1 else 0
     routed = m.top_k * batch * seq * m.hidden * 2 * m.moe_layers
@@ -180,7 +231,8 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
     world_bw = topo.network_gbps if multi_node else topo.nvlink_gbps
     seconds = dense_ar / (world_bw * 1e9) + expert_ar / (edp_bw * 1e9) + a2a / (a2a_bw * 1e9)
     return LayoutPlan(
-        dp=dp, ep=ep, params_per_gpu=held, weight_bytes=held * w, grad_bytes=held * g, optimizer_bytes=held * o,
+        dp=dp, ep=ep, params_per_gpu=held, weight_bytes=rank0["weight_bytes"], grad_bytes=rank0["grad_bytes"],
+        optimizer_bytes=rank0["optimizer_bytes"],
         activation_bytes=act, activation_bytes_checkpointed=act_ckpt, memory_per_gpu_bytes=state + act,
         memory_per_gpu_checkpointed_bytes=state + act_ckpt, fits=state + act <= memory_bytes,
         fits_with_checkpointing=state + act_ckpt <= memory_bytes, allreduce_bytes_per_step=int(dense_ar + expert_ar),
@@ -189,7 +241,8 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
 
 
 def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topology: str | None = None,
-         micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw") -> dict[str, Any]:
+         micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw", optimizer_sharding: str = "none",
+         dense_sharding: str = "replicate") -> dict[str, Any]:
     """Every dp × ep layout of ``gpus`` GPUs: memory, communication, fit; the recommended layout."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
@@ -197,32 +250,39 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
     counts = count_parameters(config)
     topo = Topology.parse(topology)
     memory = int(gpu_memory_gb * 2**30)
-    layouts = [plan_layout(counts, gpus, gpus // ep, ep, memory, topo, micro_batch, seq_len, recipe)
+    sharding = (optimizer_sharding, dense_sharding)
+    layouts = [plan_layout(counts, gpus, gpus // ep, ep, memory, topo, micro_batch, seq_len, recipe, *sharding)
                for ep in range(1, gpus + 1) if gpus % ep == 0 and counts.num_experts % ep == 0]
     fitting = [p for p in layouts if p.fits] or [p for p in layouts if p.fits_with_checkpointing]
     best = min(fitting, key=lambda p: (p.est_step_comm_s, p.memory_per_gpu_bytes), default=None)
     result: dict[str, Any] = {
-        "model": asdict(counts), "gpus": gpus, "gpu_memory_bytes": memory, "topology": asdict(topo),
+        "model": {k: v for k, v in asdict(counts).items() if k != "dense_shapes"}, "gpus": gpus, "gpu_memory_bytes": memory, "topology": asdict(topo),
         "micro_batch": micro_batch, "seq_len": seq_len, "recipe": recipe,
+        "optimizer_sharding": optimizer_sharding, "dense_sharding": dense_sharding,
         "layouts": [asdict(p) for p in layouts],
         "recommended": None if best is None else {"dp": best.dp, "ep": best.ep,
                                                   "activation_checkpointing": not best.fits},
     }
     if best is None:
-        result["advice"] = _advice(counts, gpus, gpu_memory_gb, memory, topo, micro_batch, seq_len, recipe, layouts)
+        result["advice"] = _advice(counts, gpus, gpu_memory_gb, memory, topo, micro_batch, seq_len, recipe, layouts,
+                                   sharding)
     return result
 
 
 def _advice(counts: ModelCounts, gpus: int, gpu_memory_gb: float, memory: int, topo: Topology, batch: int, seq: int,
-            recipe: str, layouts: list[LayoutPlan]) -> dict[str, Any]:
-    """What would fit: memory per GPU depends on ep only, so find the smallest ep that fits."""
+            recipe: str, layouts: list[LayoutPlan], sharding: tuple[str, str] = ("none", "replicate")) -> dict[str, Any]:
+    """What would fit. Without sharding memory per GPU depends on ep only, so find the smallest ep that fits;
+    with sharding more data parallelism also helps, so try dp up to 1024 as well (fewest GPUs first)."""
     smallest = min(layouts, key=lambda p: p.memory_per_gpu_checkpointed_bytes)
     eps = [ep for ep in range(1, counts.num_experts + 1) if counts.num_experts % ep == 0]
-    fitting = [ep for ep in eps if plan_layout(counts, ep, 1, ep, memory, topo, batch, seq, recipe).fits_with_checkpointing]
-    leanest = plan_layout(counts, eps[-1], 1, eps[-1], memory, topo, batch, seq, recipe)
+    dps = [1] if sharding == ("none", "replicate") else [2**i for i in range(11)]
+    candidates = sorted(((dp * ep, dp, ep) for ep in eps for dp in dps), key=lambda c: (c[0], c[2]))
+    fitting = [(dp, ep) for _, dp, ep in candidates
+               if plan_layout(counts, dp * ep, dp, ep, memory, topo, batch, seq, recipe, *sharding).fits_with_checkpointing]
+    leanest = plan_layout(counts, eps[-1] * dps[-1], dps[-1], eps[-1], memory, topo, batch, seq, recipe, *sharding)
     if fitting:
-        ep = fitting[0]
-        needed = ep * gpus // math.gcd(ep, gpus)  # a GPU count that ep divides
+        dp, ep = fitting[0]
+        needed = math.lcm(dp * ep, gpus)  # a GPU count that the fitting world divides (more dp: no more memory)
         message = (f"nothing fits on {gpus} × {gpu_memory_gb:g} GB: the leanest layout here (dp {smallest.dp} × ep "
                    f"{smallest.ep}, checkpointed) needs {smallest.memory_per_gpu_checkpointed_bytes / 2**30:.1f} GiB per "
                    f"GPU; with {needed} GPUs (ep {ep}) a layout fits")
@@ -241,6 +301,7 @@ def format_plan(result: dict[str, Any]) -> str:
     lines = [f"{m['model_type']}: {m['total_params'] / 1e9:.2f}B parameters ({m['dense_params'] / 1e9:.2f}B dense, "
              f"{m['expert_params'] / 1e9:.2f}B in {m['num_experts']} experts × {m['moe_layers']} MoE layers, top-{m['top_k']}); "
              f"{result['gpus']} GPUs × {result['gpu_memory_bytes'] / 2**30:.0f} GiB, recipe {result['recipe']}, "
+             f"optimizer sharding {result.get('optimizer_sharding', 'none')}, dense {result.get('dense_sharding', 'replicate')}, "
              f"micro-batch {result['micro_batch']} × {result['seq_len']} tokens",
              "| dp × ep | params/GPU | state GiB | activations GiB (ckpt) | total GiB (ckpt) | fits | comm MiB/step | est comm s |",
              "|---|---|---|---|---|---|---|---|"]
