@@ -1,0 +1,94 @@
+"""Memory scaling: ZeRO-1 optimizer-state sharding and FSDP2 dense sharding equal the unsharded
+single-process reference, and the measured per-rank bytes equal the planner's formula exactly."""
+
+from __future__ import annotations
+
+import json
+
+import dist_cases as cases
+import pytest
+
+from hf_hybrid_ep import HybridEPConfig, HybridEPConfigError
+from hf_hybrid_ep.cli import main as cli
+from hf_hybrid_ep.memory import measure
+
+LAYOUTS_4 = [(4, 1), (2, 2), (1, 4)]
+
+
+def _assert_faithful(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        assert r["max_loss_rel"] <= cases.REL_TOL, (rank, r)
+        assert r["max_norm_rel"] <= cases.REL_TOL, (rank, r)
+        assert r["max_grad_rel_step0"] <= cases.REL_TOL, (rank, r)
+        assert r["violations"] == [], (rank, r)
+        assert r["clipped"], "max_norm must be small enough for clipping to act"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_4, ids=str)
+def test_zero1_equals_the_unsharded_reference(pools, layout):
+    # 3 AdamW steps, accumulation 2, clipping by the global norm, vs one process on the global batch.
+    _assert_faithful(pools(4).run(cases.train_parity, "mixtral", *layout, 4, optimizer_sharding="zero1"))
+
+
+def test_zero1_with_biased_transposed_experts(pools):
+    _assert_faithful(pools(4).run(cases.train_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1"))
+
+
+def test_zero1_with_expert_replicas(pools):
+    # Replicated experts form buckets held by several EP ranks: sharded over all their holders.
+    placement = [[0, 1, 2], [2, 3, 0]]
+    _assert_faithful(pools(2).run(cases.train_parity, "qwen3_moe", 1, 2, 4, placement=placement,
+                                  optimizer_sharding="zero1"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_4, ids=str)
+def test_fsdp_dense_equals_the_unsharded_reference(pools, layout):
+    _assert_faithful(pools(4).run(cases.train_parity, "mixtral", *layout, 4, dense_sharding="fsdp"))
+
+
+def test_fsdp_dense_with_zero1_experts(pools):
+    _assert_faithful(pools(4).run(cases.train_parity, "qwen3_moe", 2, 2, 4, optimizer_sharding="zero1",
+                                  dense_sharding="fsdp"))
+
+
+MODES = [("none", "replicate"), ("zero1", "replicate"), ("none", "fsdp"), ("zero1", "fsdp")]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(m))
+def test_measured_bytes_equal_the_planner(pools, mode):
+    # vocab 131: FSDP's dim-0 chunks of the embeddings are unequal, so the per-rank formula is exercised.
+    results = pools(4).run(measure, "qwen3_moe", 4, 2, 2, *mode, vocab_size=131)
+    unsharded = pools(4).run(measure, "qwen3_moe", 4, 2, 2, "none", "replicate", vocab_size=131)
+    for r, base in zip(results, unsharded, strict=True):
+        assert r["optimizer_state_measured"]
+        measured = {k: r[k] for k in ("weight_bytes", "grad_bytes", "optimizer_bytes")}
+        assert measured == r["planned"], (r["rank"], measured, r["planned"])
+        assert r["grad_bytes_after_backward"] == r["grad_bytes"]
+        if mode[0] == "zero1":
+            assert r["optimizer_bytes"] < base["optimizer_bytes"] / 2
+        if mode[1] == "fsdp":
+            assert r["weight_bytes"] < base["weight_bytes"]
+    if mode[1] == "fsdp":
+        assert len({r["weight_bytes"] for r in results}) > 1, "unequal dim-0 chunks expected with vocab 131"
+
+
+def test_plan_takes_the_sharding_flags(capsys):
+    args = ["plan", "--model", "mistralai/Mixtral-8x7B-v0.1", "--gpus", "16", "--gpu-memory-gb", "80", "--json"]
+    assert cli(args) == 0
+    plain = {(p["dp"], p["ep"]): p for p in json.loads(capsys.readouterr().out)["layouts"]}
+    assert cli([*args, "--optimizer-sharding", "zero1", "--dense-sharding", "fsdp"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert (sharded["optimizer_sharding"], sharded["dense_sharding"]) == ("zero1", "fsdp")
+    for p in sharded["layouts"]:
+        base = plain[(p["dp"], p["ep"])]
+        assert p["weight_bytes"] < base["weight_bytes"]
+        assert p["optimizer_bytes"] < base["optimizer_bytes"]
+    assert sharded["recommended"] is not None and all(not p["fits"] and not p["fits_with_checkpointing"]
+                                                       for p in plain.values())
+
+
+def test_bad_sharding_values_are_refused():
+    with pytest.raises(HybridEPConfigError, match="optimizer_sharding='zero3'"):
+        HybridEPConfig(optimizer_sharding="zero3")
+    with pytest.raises(HybridEPConfigError, match="dense_sharding='tp'"):
+        HybridEPConfig(dense_sharding="tp")
