@@ -36,6 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# torch 2.13 renamed the flat collectives (the old names warn); gloo implements both (equal shard sizes).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 CHUNK_BYTES = 64 * 2**20  # per rank and collective: the temporary buffers hold group_size × this
 
 
@@ -206,7 +210,7 @@ class ZeroSharding:
                 for j in range(b.size):
                     b.read(j * b.shard + c0, j * b.shard + c1, inp[j * n : (j + 1) * n], grads=True)
                 out = torch.empty(n, dtype=dtype, device=device)
-                dist.reduce_scatter_tensor(out, inp, group=b.group)
+                _reduce_scatter(out, inp, group=b.group)
                 out.div_(world_size)
                 b.write(base + c0, out, grads=True)
             self._attach_grads(b)
@@ -214,6 +218,11 @@ class ZeroSharding:
     @staticmethod
     def _attach_grads(b: FlatBucket) -> None:
         for o in b.owned:
+            # Re-alias the view: wrappers may have swapped the parameter's storage (``p.data = ...``,
+            # as the Trainer/Accelerate preparation does) since the optimizer was built.
+            current = o.param.detach().view(-1)[o.start : o.stop]
+            if o.view.data_ptr() != current.data_ptr():
+                o.view.data = current
             if o.param.grad is not None:
                 o.view.grad = o.param.grad.detach().view(-1)[o.start : o.stop]
 
@@ -238,7 +247,7 @@ class ZeroSharding:
                 mine = torch.empty(n, dtype=dtype, device=device)
                 b.read(base + c0, base + c1, mine, grads=False)
                 full = torch.empty(b.size * n, dtype=dtype, device=device)
-                dist.all_gather_into_tensor(full, mine, group=b.group)
+                _all_gather(full, mine, group=b.group)
                 for j in range(b.size):
                     if j != b.index:
                         b.write(j * b.shard + c0, full[j * n : (j + 1) * n], grads=False)
@@ -279,7 +288,7 @@ class ZeroSharding:
                 if b.group is None:
                     full.copy_(mine)
                 else:
-                    dist.all_gather_into_tensor(full, mine, group=b.group)
+                    _all_gather(full, mine, group=b.group)
                 for piece in b.pieces:
                     t = tensors.setdefault(id(piece.param), {}).get(key)
                     if t is None:
@@ -365,7 +374,8 @@ class ShardedOptimizer:
                 mine = self.hybrid_sharding.views_of(p)
                 views.extend([p] if mine is None else mine)
             shard_groups.append({**g, "params": views})
-        self.hybrid_model_params = [p for g in groups for p in g["params"]]
+        self.hybrid_param_groups = [list(g["params"]) for g in groups]  # model parameters, per group
+        self.hybrid_model_params = [p for g in self.hybrid_param_groups for p in g]
         super().__init__(shard_groups, *args, **kwargs)
 
     def step(self, closure=None):

@@ -488,22 +488,25 @@ def load_with_a_missing_file(ckpt: str, bad_rank: int) -> dict:
 
 def trainer_run(
     dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
-    resume_from: str | None = None, verify_sync_steps: int = 0, **extra_args,
+    resume_from: str | None = None, verify_sync_steps: int = 0, optimizer_sharding: str = "none", **extra_args,
 ) -> dict:
     """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
     import trainer_cases as tc
 
     from hf_hybrid_ep.integrations import HybridEPTrainer
 
-    model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding)
+    model = hep.parallelize(tc.model(), config)
     args = tc.arguments(output_dir, 2, max_steps, save_steps, **extra_args)
     trainer = HybridEPTrainer(
         model=model, args=args, train_dataset=tc.dataset(), verify_sync_steps=verify_sync_steps
     )
-    trainer.train(resume_from_checkpoint=resume_from)
+    output = trainer.train(resume_from_checkpoint=resume_from)
     stats = hep.comm_stats(model)["gradient_reduction"]
     wrapped = type(trainer.model_wrapped).__name__
     return {"losses": tc.losses(trainer), "dense_bytes": stats["dense_bytes"], "wrapped": wrapped,
+            "memory": {k: v for k, v in output.metrics.items() if k.startswith("hybrid_ep_")},
+            "optimizer_class": type(trainer.optimizer.optimizer).__name__,
             "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]}
 
 

@@ -92,3 +92,33 @@ def test_bad_sharding_values_are_refused():
         HybridEPConfig(optimizer_sharding="zero3")
     with pytest.raises(HybridEPConfigError, match="dense_sharding='tp'"):
         HybridEPConfig(dense_sharding="tp")
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_trainer_resumes_across_optimizer_sharding_and_layouts(pools, tmp_path):
+    from safetensors.torch import load_file
+
+    pool = pools(4)
+    plain = pool.run(cases.trainer_run, 2, 2, str(tmp_path / "none"), 6, 3)
+    sharded = pool.run(cases.trainer_run, 2, 2, str(tmp_path / "zero1"), 6, 3, optimizer_sharding="zero1")
+    for p, z in zip(plain, sharded, strict=True):
+        assert z["optimizer_class"] == "ShardedAdamW"
+        assert _rel(z["losses"], p["losses"]) <= cases.REL_TOL, (z["losses"], p["losses"])
+        assert z["memory"]["hybrid_ep_optimizer_bytes"] < p["memory"]["hybrid_ep_optimizer_bytes"] / 2
+        assert z["memory"]["hybrid_ep_weight_bytes"] == p["memory"]["hybrid_ep_weight_bytes"]
+    # The sharded run saved the same (unsharded, global-expert-id keyed) state as the plain run.
+    a = load_file(tmp_path / "none" / "checkpoint-3" / "optimizer.safetensors")
+    b = load_file(tmp_path / "zero1" / "checkpoint-3" / "optimizer.safetensors")
+    assert a.keys() == b.keys() and any(k.endswith("::exp_avg_sq") for k in a)
+    for key in a:
+        assert (a[key] - b[key]).norm() <= cases.REL_TOL * a[key].norm() + 1e-12, key
+    full = plain[0]["losses"]
+    for source, sharding, (dp, ep) in [("zero1", "none", (4, 1)), ("none", "zero1", (1, 4))]:
+        checkpoint = str(tmp_path / source / "checkpoint-3")
+        out = str(tmp_path / f"resume-{source}-{sharding}-{ep}")
+        for r in pool.run(cases.trainer_run, dp, ep, out, 6, None, checkpoint, optimizer_sharding=sharding):
+            assert _rel(r["losses"][-3:], full[-3:]) <= cases.REL_TOL, (source, sharding, ep, r["losses"], full)

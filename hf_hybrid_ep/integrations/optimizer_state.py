@@ -1,4 +1,5 @@
-"""Optimizer state keyed by parameter name and **global** expert id, so a run resumes at any EP degree.
+"""Optimizer state keyed by parameter name and **global** expert id, so a run resumes at any EP degree
+and with or without ZeRO-1 optimizer-state sharding.
 
 Saved form (one safetensors file + one JSON file, written by rank 0):
 
@@ -7,7 +8,9 @@ Saved form (one safetensors file + one JSON file, written by rank 0):
   dense tensors once;
 * ``optimizer.json``: param-group hyperparameters (by parameter name) and scalar state (``step``).
 
-Each rank loads dense state whole and the rows of its own experts.
+A sharded optimizer (:class:`hf_hybrid_ep.ShardedOptimizer`) first all-gathers its shards over each
+flat bucket's ranks, so the files are the same whichever ``optimizer_sharding`` wrote them. Each rank
+loads dense state whole and the rows of its own experts, and a sharded optimizer keeps its shard.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..parallelize import state_of
+from ..zero import ShardedOptimizer
 
 TENSORS_NAME = "optimizer.safetensors"
 META_NAME = "optimizer.json"
@@ -34,22 +38,60 @@ def _expert_layers(model: nn.Module) -> dict[int, object]:
     return {id(p): layer for layer in state_of(model).layers for p in layer.expert_parameters()}
 
 
+def _model_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """Model parameters per param group (a sharded optimizer's groups hold views of them)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.hybrid_param_groups
+    return [g["params"] for g in optimizer.param_groups]
+
+
+def _refuse_dtensors(model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise NotImplementedError(
+            "optimizer-state checkpoints of dense_sharding='fsdp' models are not supported yet; "
+            "use torch.distributed.checkpoint for the FSDP2 part"
+        )
+
+
+def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """``id(param) -> {key: tensor in the parameter's local shape, or scalar}`` (collective if sharded)."""
+    states: dict[int, dict] = {}
+    if isinstance(optimizer, ShardedOptimizer):
+        tensors, scalars = optimizer.hybrid_sharding.full_state(optimizer)
+        for p in optimizer.hybrid_model_params:
+            if id(p) in tensors or id(p) in scalars:
+                states[id(p)] = {**scalars.get(id(p), {}),
+                                 **{k: v.view_as(p) for k, v in tensors.get(id(p), {}).items()}}
+            elif p in optimizer.state:  # kept whole (not in a flat bucket)
+                states[id(p)] = dict(optimizer.state[p])
+        return states
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            states[id(p)] = dict(optimizer.state.get(p, {}))
+    return states
+
+
 def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
     """Write the optimizer state of a hybrid-EP model (collective over EP groups; rank 0 writes)."""
+    _refuse_dtensors(model)
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     names, experts = _names(model), _expert_layers(model)
     mesh = state_of(model).mesh
+    states = _param_states(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, float]] = {}
     groups = []
-    for group in optimizer.param_groups:
+    for group, params in zip(optimizer.param_groups, _model_groups(optimizer), strict=True):
         groups.append({
-            "params": [names[id(p)] for p in group["params"]],
+            "params": [names[id(p)] for p in params],
             **{k: v for k, v in group.items() if k != "params" and isinstance(v, int | float | bool | str | None)},
             **{k: list(v) for k, v in group.items() if isinstance(v, tuple)},
         })
-        for p in group["params"]:
+        for p in params:
             name = names[id(p)]
-            for key, value in optimizer.state.get(p, {}).items():
+            for key, value in sorted(states.get(id(p), {}).items()):
                 if torch.is_tensor(value) and value.dim() > 0:
                     layer = experts.get(id(p))
                     tensors[f"{name}::{key}"] = (
@@ -65,27 +107,30 @@ def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
-    """Fill ``optimizer`` (built over ``model``'s parameters, any EP degree) from a saved state."""
+    """Fill ``optimizer`` (built over ``model``'s parameters, any EP degree, sharded or not) from a saved state."""
+    _refuse_dtensors(model)
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     directory = Path(directory)
     meta = json.loads((directory / META_NAME).read_text())
     names, experts = _names(model), _expert_layers(model)
     by_name = {n: p for n, p in model.named_parameters()}
     saved_groups = meta["param_groups"]
+    model_groups = _model_groups(optimizer)
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"{directory / META_NAME}: {len(saved_groups)} param groups saved, the optimizer has "
             f"{len(optimizer.param_groups)}"
         )
-    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
-        mine = [names[id(p)] for p in group["params"]]
+    for saved, group, params in zip(saved_groups, optimizer.param_groups, model_groups, strict=True):
+        mine = [names[id(p)] for p in params]
         if saved["params"] != mine:
             raise ValueError(f"{directory / META_NAME}: param group parameters differ from the optimizer's")
         for key, value in saved.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    loaded: dict[str, dict] = {}
     with safe_open(directory / TENSORS_NAME, framework="pt") as f:
-        keys = list(f.keys())
-        for full_key in keys:
+        for full_key in f.keys():
             name, key = full_key.split("::")
             p = by_name[name]
             layer = experts.get(id(p))
@@ -94,8 +139,14 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
                 value = torch.cat([sl[e : e + 1] for e in layer.local_experts])
             else:
                 value = f.get_tensor(full_key)
-            optimizer.state[p][key] = value.to(p.device)
-    for name, values in meta["scalars"].items():
+            loaded.setdefault(name, {})[key] = value.to(p.device)
+    sharding = optimizer.hybrid_sharding if isinstance(optimizer, ShardedOptimizer) else None
+    for name in set(loaded) | set(meta["scalars"]):
         p = by_name[name]
-        for key, value in values.items():
+        scalars = meta["scalars"].get(name, {})
+        if sharding is not None and sharding.views_of(p) is not None:
+            sharding.load_full_state(optimizer, p, loaded.get(name, {}), scalars)
+            continue
+        optimizer.state[p].update(loaded.get(name, {}))
+        for key, value in scalars.items():
             optimizer.state[p][key] = torch.tensor(value, dtype=torch.float32)

@@ -8,7 +8,13 @@
 * gradient clipping and the logged gradient norm are the true global norm over all shards;
 * checkpoints: the model as an expert-sharded hybrid-EP checkpoint (vanilla-loadable), the optimizer
   state keyed by parameter name and global expert id, so ``resume_from_checkpoint`` works at the same
-  or another EP degree; scheduler and RNG state as the Trainer writes them.
+  or another EP degree; scheduler and RNG state as the Trainer writes them;
+* with ``optimizer_sharding="zero1"`` the optimizer is built sharded (:func:`hf_hybrid_ep.zero.reshard_optimizer`):
+  DDP still all-reduces the dense gradients, each rank steps its shard and the shards are all-gathered;
+  the engine reduce-scatters expert gradients over their EDP groups. Checkpoints are interchangeable
+  with unsharded runs;
+* per-rank bytes of weights, gradients and optimizer state are logged when the optimizer is created and
+  added to the ``train()`` summary metrics.
 """
 
 from __future__ import annotations
@@ -21,14 +27,17 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..amp import agree_found_inf_
+from ..config import HybridEPConfigError
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import save_hybrid_checkpoint
 from ..consistency import verify_replicas
 from ..freeze import ExpertFreezer
+from ..memory import log_memory_report
 from ..grads import clip_grad_norm_
 from ..metrics import JSONL_NAME, append_jsonl, load_report, summary_scalars
 from ..parallelize import routing_step, state_of
 from .accelerator import prepare_accelerator
+from ..zero import reshard_optimizer
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 
 
@@ -70,11 +79,30 @@ class HybridEPTrainer(Trainer):
         prepare_accelerator(self.accelerator, model)
 
     def create_optimizer(self, *args, **kwargs):
+        """The Trainer's optimizer; ZeRO-1-sharded when the config says ``optimizer_sharding="zero1"``."""
+        fresh = self.optimizer is None
         optimizer = super().create_optimizer(*args, **kwargs)
+        config = state_of(self.hybrid_model).config
         experts, from_step = self._freeze
+        if config.optimizer_sharding == "zero1" and fresh:
+            if experts is not None:
+                raise HybridEPConfigError("freeze_experts is not supported with optimizer_sharding='zero1'")
+            optimizer = self.optimizer = reshard_optimizer(self.hybrid_model, optimizer)
         if experts is not None and self.freezer is None:
             self.freezer = ExpertFreezer(self.hybrid_model, optimizer, experts, from_step)
+        if fresh:
+            self.memory_report = log_memory_report(self.hybrid_model, optimizer)
         return optimizer
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; the summary metrics also carry this rank's bytes of weights, gradients and
+        optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report` measures)."""
+        output = super().train(*args, **kwargs)
+        report = log_memory_report(self.hybrid_model, self.optimizer)
+        self.memory_report = report
+        for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
+            output.metrics[f"hybrid_ep_{key}"] = report[key]
+        return output
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the expert-load summary to training logs and append the per-layer figures to
