@@ -247,10 +247,21 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     reducer = reducer_of(model)
     previous = reducer.enabled
     reducer.enabled = False
+    fsdp = _fsdp_root(model)
+    if fsdp is not None:  # dense_sharding="fsdp": FSDP2 keeps unsharded gradients until the sync step
+        fsdp.set_requires_gradient_sync(False)
     try:
         yield
     finally:
         reducer.enabled = previous
+        if fsdp is not None:
+            fsdp.set_requires_gradient_sync(True)
+
+
+def _fsdp_root(model: nn.Module):
+    from torch.distributed.fsdp import FSDPModule
+
+    return model if isinstance(model, FSDPModule) else None
 
 
 @torch.no_grad()

@@ -569,7 +569,7 @@ def trainer_eval(dp: int, ep: int, output_dir: str, num: int, hybrid: bool = Tru
 
 
 def accelerate_loop(dp: int, ep: int, state_dir: str, steps: int, save_at: int | None = None,
-                    resume: bool = False) -> dict:
+                    resume: bool = False, optimizer_sharding: str = "none") -> dict:
     """A hand-written Accelerate loop (accumulate 2, clipping, a scheduler) with save_state/load_state."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -582,9 +582,9 @@ def accelerate_loop(dp: int, ep: int, state_dir: str, steps: int, save_at: int |
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build("qwen3_moe", 4)
-    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding))
     prepare_accelerator(accelerator, model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3, eps=ADAM_EPS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     wrapped, opt, sched = accelerator.prepare(model, opt, sched)
     start = 0
@@ -610,6 +610,25 @@ def accelerate_loop(dp: int, ep: int, state_dir: str, steps: int, save_at: int |
         if save_at is not None and not resume and step + 1 == save_at:
             save_state(accelerator, wrapped, opt, state_dir, schedulers=[sched])
     return {"losses": losses, "dense_bytes": hep.comm_stats(model)["gradient_reduction"]["dense_bytes"]}
+
+
+def fsdp_under_accelerate() -> dict:
+    """Accelerate wraps a multi-process model in DDP, which cannot hold FSDP2-sharded weights: refused."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_hybrid_ep.integrations.accelerator import prepare_accelerator
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dense_sharding="fsdp"))
+    try:
+        prepare_accelerator(accelerator, model)
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err)}
+    return {"message": ""}
 
 
 def generate_uneven(max_new_tokens_by_rank: list[int]) -> dict:

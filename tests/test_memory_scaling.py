@@ -122,3 +122,18 @@ def test_trainer_resumes_across_optimizer_sharding_and_layouts(pools, tmp_path):
         out = str(tmp_path / f"resume-{source}-{sharding}-{ep}")
         for r in pool.run(cases.trainer_run, dp, ep, out, 6, None, checkpoint, optimizer_sharding=sharding):
             assert _rel(r["losses"][-3:], full[-3:]) <= cases.REL_TOL, (source, sharding, ep, r["losses"], full)
+
+
+def test_accelerate_loop_with_zero1_resumes_unsharded(pools, tmp_path):
+    pool = pools(4)
+    plain = pool.run(cases.accelerate_loop, 2, 2, str(tmp_path / "plain"), 4)[0]["losses"]
+    sharded = pool.run(cases.accelerate_loop, 2, 2, str(tmp_path / "state"), 4, 2, optimizer_sharding="zero1")
+    for r in sharded:
+        assert _rel(r["losses"], plain) <= cases.REL_TOL, (r["losses"], plain)
+    for r in pool.run(cases.accelerate_loop, 4, 1, str(tmp_path / "state"), 4, 2, True):
+        assert _rel(r["losses"], plain[4:]) <= cases.REL_TOL, (r["losses"], plain)
+
+
+def test_fsdp_is_refused_where_ddp_wraps_the_model(pools, tmp_path):
+    for r in pools(2).run(cases.fsdp_under_accelerate):
+        assert "dense_sharding='fsdp'" in r["message"], r

@@ -25,6 +25,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ..checkpoint.load import load_checkpoint_into_
+from ..config import HybridEPConfigError
 from ..checkpoint.save import save_hybrid_checkpoint
 from ..parallelize import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
@@ -39,12 +40,22 @@ def _unwrap(accelerator: Accelerator, model: nn.Module) -> nn.Module:
 def prepare_accelerator(accelerator: Accelerator, model: nn.Module) -> None:
     """Let DDP reduce the dense gradients and the engine the experts, on sync steps only.
 
+    With ``optimizer_sharding="zero1"``, build the optimizer with :func:`hf_hybrid_ep.make_optimizer`:
+    each rank then steps its shard of the DDP-averaged dense gradients and of the engine's
+    reduce-scattered expert gradients. Refuses ``dense_sharding="fsdp"`` (DDP cannot wrap it).
+
     Call before ``accelerator.prepare(model, ...)``: the experts go on DDP's ignore list, the engine
     stops reducing dense gradients (DDP does), and expert reduction follows
     ``accelerator.sync_gradients`` (so ``accelerator.accumulate``/``no_sync`` work as usual).
     """
     state = state_of(model)
     if accelerator.distributed_type in _MULTI_PROCESS:
+        if state.config.dense_sharding == "fsdp":
+            raise HybridEPConfigError(
+                "dense_sharding='fsdp' cannot be used under Accelerate/Trainer: they wrap the model in torch DDP, "
+                "which does not hold FSDP2-sharded (DTensor) weights; use a plain torch loop, or "
+                "optimizer_sharding='zero1' with replicated dense weights"
+            )
         state.reducer.reduce_dense = False
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, state.expert_parameter_names(model)
