@@ -25,8 +25,8 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ..checkpoint.load import load_checkpoint_into_
-from ..config import HybridEPConfigError
 from ..checkpoint.save import save_hybrid_checkpoint
+from ..config import HybridEPConfigError
 from ..parallelize import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
 

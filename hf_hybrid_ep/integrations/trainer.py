@@ -27,17 +27,17 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..amp import agree_found_inf_
-from ..config import HybridEPConfigError
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import save_hybrid_checkpoint
+from ..config import HybridEPConfigError
 from ..consistency import verify_replicas
 from ..freeze import ExpertFreezer
-from ..memory import log_memory_report
 from ..grads import clip_grad_norm_
+from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, summary_scalars
 from ..parallelize import routing_step, state_of
-from .accelerator import prepare_accelerator
 from ..zero import reshard_optimizer
+from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 
 
