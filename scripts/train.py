@@ -83,6 +83,9 @@ class HybridEPArguments:
     z_loss_coef: float | None = field(default=None, metadata={"help": "router z-loss coefficient"})
     bias_update_rate: float | None = field(default=None, metadata={"help": "aux-loss-free balancing rate"})
     force_balanced_routing: bool | None = field(default=None, metadata={"help": "round-robin routing (benchmarks)"})
+    optimizer_sharding: str | None = field(
+        default=None, metadata={"help": "none | zero1 (optimizer state sharded over the data-parallel dims)"}
+    )
     freeze_experts: str | None = field(
         default=None, metadata={"help": "comma-separated expert ids or 'least_used:N' to freeze"}
     )
@@ -174,7 +177,8 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available():
         training_args.use_cpu = True
     engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
-                    "device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing")
+                    "device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing",
+                    "optimizer_sharding")
     plugin = HybridEPPlugin.from_sources(
         ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}
     )
