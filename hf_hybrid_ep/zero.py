@@ -168,7 +168,7 @@ class ZeroSharding:
                 for p, idx in entries:
                     if p.dtype != dtype:
                         continue
-                    row = p[0].numel()
+                    row = math.prod(p.shape[1:])  # elements per expert slot
                     for first, count in _runs(idx.tolist()):
                         pieces.append((p, first * row, count * row))
                 self.buckets.append(_bucket(eb.ranks, eb.group, mesh.rank, pieces))
