@@ -13,6 +13,7 @@ from .experts import find_experts_modules, is_fused_experts
 from .freeze import ExpertFreezer
 from .grads import clip_grad_norm_, no_sync
 from .hub import push_to_hub
+from .memory import memory_report
 from .mesh import HybridMesh, build_mesh
 from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, routing_step, state_of
 from .zero import ShardedOptimizer, make_optimizer, shard_optimizer
@@ -39,6 +40,7 @@ __all__ = [
     "HybridMesh",
     "is_fused_experts",
     "make_optimizer",
+    "memory_report",
     "no_sync",
     "offload",
     "parallelize",
