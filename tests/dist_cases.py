@@ -76,15 +76,15 @@ def _compare_params(model, ref, ref64=None) -> dict:
     worst, worst_name, violations, floor_cases = 0.0, "", [], []
     for name, p in model.named_parameters():
         r = _local_view(model, ref_params[name].detach(), p)
-        p = _full(p.detach())
-        rel = _rel(p, r)
+        mine = _full(p.detach())
+        rel = _rel(mine, r)
         if rel > worst:
             worst, worst_name = rel, name
         if rel <= REL_TOL:
             continue
         if name in ref64_params:
             r64 = _local_view(model, ref64_params[name].detach(), p)
-            hybrid_err, ref_err = _rel(p.detach().double(), r64), _rel(r.double(), r64)
+            hybrid_err, ref_err = _rel(mine.double(), r64), _rel(r.double(), r64)
             if hybrid_err <= max(REL_TOL, ref_err):
                 floor_cases.append((name, rel, hybrid_err, ref_err))
                 continue
