@@ -64,3 +64,28 @@ def test_topology_spec():
     assert Topology.parse("gpus_per_node=4,network_gbps=50").gpus_per_node == 4
     with pytest.raises(ValueError, match="unknown topology key 'gpu'"):
         Topology.parse("gpu=4")
+
+
+def test_sharded_bytes_follow_the_formula():
+    import math
+
+    from hf_hybrid_ep.planner import rank_state_bytes
+
+    m = count_parameters(TINY)
+    dense, experts = m.dense_params, m.expert_params // 2  # dp 2 × ep 2 on 4 ranks
+    for rank in range(4):
+        base = rank_state_bytes(m, 2, 2, rank, "fp32-adamw")
+        assert base == {"params": dense + experts, "weight_bytes": 4 * (dense + experts),
+                        "grad_bytes": 4 * (dense + experts), "optimizer_bytes": 8 * (dense + experts)}
+        z = rank_state_bytes(m, 2, 2, rank, "fp32-adamw", "zero1")
+        shard = lambda n, g, i: max(0, min(n - i * math.ceil(n / g), math.ceil(n / g)))  # noqa: E731
+        assert z["weight_bytes"] == base["weight_bytes"]
+        assert z["optimizer_bytes"] == 8 * (shard(dense, 4, rank) + shard(experts, 2, rank // 2))
+        f = rank_state_bytes(m, 2, 2, rank, "fp32-adamw", "none", "fsdp")
+        fsdp_dense = sum(shard(s[0], 4, rank) * math.prod(s[1:]) for s in m.dense_shapes)
+        assert f["weight_bytes"] == 4 * (fsdp_dense + experts) < base["weight_bytes"]
+    # every dense element is held by exactly one rank under FSDP, and its state by one rank under zero1
+    assert sum(rank_state_bytes(m, 2, 2, r, "fp32-adamw", "none", "fsdp")["params"] for r in range(4)) == \
+        m.dense_params + 2 * m.expert_params
+    assert sum(rank_state_bytes(m, 2, 2, r, "fp32-adamw", "zero1")["optimizer_bytes"] for r in range(4)) == \
+        8 * (m.dense_params + m.expert_params)
