@@ -153,7 +153,7 @@ def _tiny_model(model_type: str, num_experts: int, **kwargs) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     """``torchrun --nproc_per_node 4 -m hf_hybrid_ep.memory --dp 2 --ep 2 --optimizer-sharding zero1``:
-    one JSON line per rank with measured and planned bytes."""
+    one JSON line per rank (printed by rank 0) with measured and planned bytes."""
     import argparse
     import json
 
@@ -175,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = measure(args.model_type, args.experts, args.dp, args.ep, args.optimizer_sharding, args.dense_sharding,
                          vocab_size=args.vocab_size)
-        print(json.dumps(report), flush=True)
+        reports = [report]
+        if dist.is_initialized():  # rank 0 prints every rank's line (no interleaving)
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, report)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for r in reports:
+                print(json.dumps(r), flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
