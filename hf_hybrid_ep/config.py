@@ -93,6 +93,15 @@ class HybridEPConfig:
         force_balanced_routing: for benchmarking, token t's j-th choice is expert ``(t·k + j) mod E``.
         dead_expert_steps: an expert that received no token for this many optimizer steps is
             reported dead by the load metrics.
+
+    Hot-expert shadowing (off by default; see ``hf_hybrid_ep/shadow.py`` and docs/expert_cache.md):
+
+        expert_cache: after every optimizer step (``routing_step``), each rank holds local replicas
+            ("shadows") of the remote experts its own tokens used most in the previous step, when the
+            token bytes saved exceed the weight bytes fetched plus gradient bytes returned. Its own
+            tokens for those experts are computed locally; gradients go back to the owners before the
+            expert gradient reduction, so training stays faithful.
+        expert_cache_capacity: at most this many shadows per rank and MoE layer.
     """
 
     dp_degree: int | None = None
@@ -113,6 +122,8 @@ class HybridEPConfig:
     bias_update_rate: float | None = None
     force_balanced_routing: bool = False
     dead_expert_steps: int = 100
+    expert_cache: bool = False
+    expert_cache_capacity: int = 1
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +215,11 @@ class HybridEPConfig:
             raise HybridEPConfigError(f"overlap_degree={self.overlap_degree!r} must be a positive integer")
         if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:
             raise HybridEPConfigError(f"dead_expert_steps={self.dead_expert_steps!r} must be a positive integer")
+        if not isinstance(self.expert_cache, bool):
+            raise HybridEPConfigError(f"expert_cache={self.expert_cache!r} must be true or false")
+        capacity = self.expert_cache_capacity
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise HybridEPConfigError(f"expert_cache_capacity={capacity!r} must be a positive integer")
 
     def selection_controls_on(self) -> bool:
         """Whether any control needs the router's selection rule to be replaced."""

@@ -74,6 +74,9 @@ class GradientReducer:
         self.enabled = True
         # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
         self.sync_predicate: Callable[[], bool] | None = None
+        # Run at the start of every reduction, after missing gradients are zero-filled (e.g. shadow
+        # gradients returned to their owners by hot-expert shadowing). Collective on every rank.
+        self.pre_reduce_hooks: list[Callable[[], None]] = []
         self.stats = ReducerStats()
         self._queued = False
         self._handles = [
@@ -111,6 +114,8 @@ class GradientReducer:
         for p in self.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
+        for hook in self.pre_reduce_hooks:
+            hook()
         world = self.mesh.world_size
         if self.reduce_dense:
             for bucket in _buckets_by_size([p for p in self.dense if p.requires_grad], DENSE_BUCKET_BYTES):

@@ -38,9 +38,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def _global_inputs(model, world: int, seed: int) -> dict:
+def _global_inputs(model, world: int, seed: int, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return tiny_inputs(model, BATCH_PER_RANK * world, SEQ, g)
+    return tiny_inputs(model, BATCH_PER_RANK * world, seq, g)
+
+
+def _skew_routers(model, hot: list[int], bias: float) -> None:
+    """Make experts ``hot`` draw most tokens: raise their logits in every router's bias."""
+    from hf_hybrid_ep.routing import find_router
+
+    for name, module in hep.find_experts_modules(model):
+        router = find_router(model, name, module.num_experts)[1]
+        with torch.no_grad():
+            router.bias[hot] += bias
 
 
 def _rank_slice(inputs: dict, rank: int) -> dict:
@@ -104,30 +114,39 @@ def train_parity(
     gradient_checkpointing: bool = False,
     dispatcher: str = "auto",
     expert_alignment: int = 1,
+    expert_cache_capacity: int | None = None,
+    skew: tuple[list[int], float] | None = None,
+    seq: int = SEQ,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
     The reference trains the unsharded model on the global batch in fp32; an fp64 copy (experts via
     ``batched_mm``, as ``grouped_mm`` has no fp64 kernel) measures the round-off floor of that reference.
+    ``expert_cache_capacity`` turns hot-expert shadowing on (``routing_step`` after every optimizer step);
+    ``skew = (hot experts, bias)`` raises those experts' router bias in both models.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build(model_type, num_experts)
+    if skew is not None:
+        _skew_routers(model, *skew)
+        _skew_routers(ref, *skew)
     ref64 = copy.deepcopy(ref).double()
     ref64.set_experts_implementation("batched_mm")
     if dispatcher == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
-                                expert_alignment=expert_alignment)
+                                expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
+                                expert_cache_capacity=expert_cache_capacity or 1)
     hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
     models = (model, ref, ref64)
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in models]
     ref_grads = dict(ref.named_parameters())
-    loss_diffs, norm_diffs, norms, grad_diffs = [], [], [], []
+    loss_diffs, norm_diffs, norms, grad_diffs, shadow_steps = [], [], [], [], []
     for step in range(steps):
         for micro in range(accum):
-            batch = _global_inputs(ref, world, seed=1000 * step + micro)
+            batch = _global_inputs(ref, world, seed=1000 * step + micro, seq=seq)
             sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
             with sync:
                 loss = model(**_rank_slice(batch, rank)).loss
@@ -153,7 +172,18 @@ def train_parity(
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        if expert_cache_capacity is not None:
+            layers = hep.comm_stats(model)
+            shadow_steps.append({
+                key: sum(v["shadow"][key] for k, v in layers.items() if k != "gradient_reduction")
+                for key in ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received",
+                            "grad_bytes_sent", "token_bytes_avoided")
+            } | {"remote_rows_sent": sum(v["dispatch"]["remote_rows_sent"] for k, v in layers.items()
+                                         if k != "gradient_reduction")})
+            hep.reset_comm_stats(model)
+            hep.routing_step(model)
     return {
+        "shadow_steps": shadow_steps,
         "max_loss_rel": max(loss_diffs),
         "max_norm_rel": max(norm_diffs),
         "max_grad_rel_step0": max(grad_diffs),
