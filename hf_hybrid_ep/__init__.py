@@ -4,7 +4,7 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 """
 
-from .cache import ExpertCache, cache_stats, offload, resize_offload
+from .cache import ExpertCache, MemoryStore, SafetensorsStore, cache_stats, offload, resize_offload
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
@@ -37,6 +37,7 @@ __all__ = [
     "HybridEPConfigError",
     "HybridMesh",
     "is_fused_experts",
+    "MemoryStore",
     "no_sync",
     "offload",
     "parallelize",
@@ -45,5 +46,6 @@ __all__ = [
     "reset_comm_stats",
     "resize_offload",
     "routing_step",
+    "SafetensorsStore",
     "state_of",
 ]
