@@ -721,3 +721,28 @@ def shared_overlap_equivalence(model_type: str) -> dict:
     state = hep.state_of(model)
     return {"equal": bool(torch.equal(la, lb)) and all(torch.equal(ga[n], gb[n]) for n in ga),
             "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}
+
+
+def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) -> dict:
+    """The stock Trainer on a skewed GPT-OSS (experts 0 and 2 draw nearly every token), with hot-expert
+    shadowing off or on: the Trainer's step-end callback (routing_step) must refresh the shadows."""
+    import trainer_cases as tc
+    from datasets import Dataset
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    torch.manual_seed(0)
+    model = build_tiny_model("gpt_oss", num_experts=4)
+    model.train()
+    _skew_routers(model, [0, 2], 4.0)
+    config = hep.HybridEPConfig(dp_degree=1, ep_degree=dist.get_world_size(), expert_cache=expert_cache,
+                                expert_cache_capacity=1)
+    hep.parallelize(model, config)
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, 100, (64, 32), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
+    trainer.train()
+    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    return {"losses": tc.losses(trainer), "shadows_held": sum(v["shadow"]["shadows_held"] for v in layers),
+            "rows_local": sum(v["shadow"]["rows_local"] for v in layers)}
