@@ -79,11 +79,11 @@ class ShadowManager:
         self.layers, self.mesh, self.capacity = layers, mesh, capacity
         self.row_bytes: dict[int, int] = {}  # layer index -> bytes of one activation row (last seen)
         for i, layer in enumerate(layers):
-            layer.module.register_forward_pre_hook(self._row_bytes_hook(i))
+            layer.module.register_forward_pre_hook(self._row_bytes_hook(i), with_kwargs=True)
 
     def _row_bytes_hook(self, index: int):
-        def hook(module, args):
-            hidden = args[0] if args else None
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
             if torch.is_tensor(hidden) and hidden.dim() == 2:
                 self.row_bytes[index] = hidden.shape[1] * hidden.element_size()
         return hook
