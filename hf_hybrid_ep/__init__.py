@@ -4,7 +4,15 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 """
 
-from .cache import ExpertCache, MemoryStore, SafetensorsStore, cache_stats, offload, resize_offload
+from .cache import (
+    ExpertCache,
+    MemoryStore,
+    SafetensorsStore,
+    cache_stats,
+    load_offloaded,
+    offload,
+    resize_offload,
+)
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
@@ -37,6 +45,7 @@ __all__ = [
     "HybridEPConfigError",
     "HybridMesh",
     "is_fused_experts",
+    "load_offloaded",
     "MemoryStore",
     "no_sync",
     "offload",

@@ -315,8 +315,11 @@ class OffloadedExperts:
     def install(self) -> None:
         for p in self.param_names:
             full = getattr(self.module, p)
-            setattr(self.module, p, nn.Parameter(full.detach()[: self.cache.capacity].to(self.device).clone(),
-                                                 requires_grad=False))
+            if full.is_meta:  # built without expert memory (load_offloaded): the slots start empty
+                slots = torch.zeros((self.cache.capacity, *full.shape[1:]), dtype=full.dtype, device=self.device)
+            else:
+                slots = full.detach()[: self.cache.capacity].to(self.device).clone()
+            setattr(self.module, p, nn.Parameter(slots, requires_grad=False))
         self.module.num_experts = self.cache.capacity
         self._forward = type(self.module).forward
         self.module.forward = self.forward
@@ -415,7 +418,11 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
     if getattr(model, "_hybrid_ep", None) is not None:
         raise HybridEPConfigError("offload is for a model that was not parallelized (inference on one device)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type == "meta":
+        raise HybridEPConfigError("offload needs a compute device for a model built on the meta device (device=...)")
     store = _make_store(store)
+    if isinstance(store, MemoryStore) and any(p.is_meta for _, m in found for p in m.parameters(recurse=False)):
+        raise HybridEPConfigError("the model's experts are on the meta device: give a checkpoint store (store=path)")
     store.bind(model, [(name, m, expert_parameter_names(name, m)) for name, m in found])
     layers = [OffloadedExperts(name, m, capacity, policy, device, store) for name, m in found]
     if prefetch:
@@ -428,6 +435,46 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
         layer.install()
     model._hybrid_ep_offload = layers
     return model
+
+
+def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "lru", *,
+                   device: str | torch.device = "cpu", prefetch: bool = False) -> nn.Module:
+    """Build a model from a local checkpoint for inference with only ``capacity`` experts per layer ever
+    in memory: the model is created on the meta device, the dense tensors are read, and the experts stay
+    in the checkpoint's files (a :class:`SafetensorsStore`). Returns the model in eval mode."""
+    from transformers import AutoConfig
+
+    from .checkpoint.layout import build_meta_model
+    from .checkpoint.load import _assemble, _Reader, _weight_map, plan_rank_local
+
+    root = Path(path)
+    if not root.is_dir():
+        raise HybridEPConfigError(f"checkpoint directory {str(root)!r} does not exist")
+    model = build_meta_model(AutoConfig.from_pretrained(root))
+    offload(model, capacity, policy, device=device, store=root, prefetch=prefetch)
+    experts = {f"{layer.name}.{p}" for layer in _offloaded(model) for p in layer.param_names}
+    weight_map = _weight_map(root)
+    reader = _Reader(root, weight_map)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, target in sorted(plan_rank_local(model, [], weight_map).items()):
+            if name in experts or (name not in params and name not in buffers):
+                continue
+            value = _assemble(name, target, reader, model)
+            if name in buffers:
+                buffers[name].copy_(value.to(buffers[name].dtype))
+                continue
+            module_name, _, leaf = name.rpartition(".")
+            current = params[name]
+            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(
+                value.to(device, current.dtype), requires_grad=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise HybridEPConfigError(f"checkpoint {str(root)!r} lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    return model.eval()
 
 
 def resize_offload(model: nn.Module, capacity: int) -> None:

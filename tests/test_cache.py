@@ -131,3 +131,18 @@ def test_safetensors_store_of_another_model_is_refused(converted, tmp_path):
     model = build_tiny_model("mixtral", num_experts=8, hidden=32).eval()
     with pytest.raises(hep.HybridEPConfigError, match="expert shape|has no tensor for"):
         hep.offload(model, capacity=2, store=converted)
+
+
+def test_load_offloaded_never_holds_more_than_capacity_experts(converted):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(converted).eval()
+    model = hep.load_offloaded(converted, capacity=2, prefetch=True)  # meta build: dense read, experts stay on disk
+    for _, module in hep.find_experts_modules(model):
+        assert all(p.shape[0] == 2 for p in module.parameters(recurse=False))
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(2))
+    got, want = _decode(model, ids), _decode(reference, ids)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+    assert all(layer["evictions"] > 0 for layer in hep.cache_stats(model).values())
