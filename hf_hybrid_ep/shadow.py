@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import HybridEPConfigError
 from .dispatch.stats import ShadowCounters
 from .mesh import HybridMesh, current_device
 
@@ -78,6 +79,13 @@ class ShadowManager:
     def __init__(self, layers: list, mesh: HybridMesh, capacity: int) -> None:
         self.layers, self.mesh, self.capacity = layers, mesh, capacity
         self.row_bytes: dict[int, int] = {}  # layer index -> bytes of one activation row (last seen)
+        for layer in layers:
+            dtypes = sorted({str(p.dtype) for p in layer.expert_parameters()})
+            if len(dtypes) > 1:
+                raise HybridEPConfigError(
+                    f"expert_cache: the expert parameters of {layer.name} mix dtypes {dtypes}; shadows move "
+                    "one flat buffer per layer, so load the experts in one dtype"
+                )
         for i, layer in enumerate(layers):
             layer.module.register_forward_pre_hook(self._row_bytes_hook(i), with_kwargs=True)
 
@@ -128,8 +136,9 @@ class ShadowManager:
         masks = torch.empty(mesh.ep_degree * mine.shape[0], mine.shape[1], dtype=mine.dtype, device=device)
         _all_gather(masks, mine, mesh.ep_group)
         masks = masks.view(mesh.ep_degree, *mine.shape).cpu()
+        row_bytes = mine.shape[1] * mine.element_size() * (mesh.ep_degree - 1)  # one layer's row, to each peer
         for i, layer in enumerate(self.layers):
-            self._fetch(i, layer, masks[:, i], mine.numel() * mine.element_size())
+            self._fetch(layer, masks[:, i], row_bytes)
 
     def _plan(self, layer, masks: torch.Tensor) -> dict[int, list[int]]:
         """EP rank -> the experts it shadows in this layer, ordered by (owner, id)."""
@@ -139,7 +148,7 @@ class ShadowManager:
             held[rank] = sorted(chosen, key=lambda e: (self._owner(layer, e), e))
         return held
 
-    def _fetch(self, index: int, layer, masks: torch.Tensor, control_bytes: int) -> None:
+    def _fetch(self, layer, masks: torch.Tensor, control_bytes: int) -> None:
         me, ep = self.mesh.ep_rank, self.mesh.ep_degree
         held = self._plan(layer, masks)
         params = layer.expert_parameters()

@@ -33,7 +33,7 @@ class ShadowCounters:
     the owner; ``token_bytes_avoided``: their bytes in every exchange they skipped (dispatch and combine,
     plus both backward exchanges when autograd records the forward). ``weight_bytes_*`` / ``grad_bytes_*``:
     shadow weights fetched from owners after an optimizer step and shadow gradients returned to them;
-    ``control_bytes``: this rank's share of the shadow-mask all-gather. ``shadows_held``: shadows held,
+    ``control_bytes``: this rank's row of the shadow-mask all-gather, sent to each EP peer. ``shadows_held``: shadows held,
     summed over refreshes.
     """
 
