@@ -104,11 +104,14 @@ def train_parity(
     gradient_checkpointing: bool = False,
     dispatcher: str = "auto",
     expert_alignment: int = 1,
+    load_from: str | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
     The reference trains the unsharded model on the global batch in fp32; an fp64 copy (experts via
     ``batched_mm``, as ``grouped_mm`` has no fp64 kernel) measures the round-off floor of that reference.
+    With ``load_from``, the hybrid model is loaded rank-locally from that checkpoint of the same
+    weights (``hf_hybrid_ep.from_pretrained``; its placement is the one stored in the index).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build(model_type, num_experts)
@@ -118,7 +121,12 @@ def train_parity(
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
                                 expert_alignment=expert_alignment)
-    hep.parallelize(model, config)
+    if load_from is not None:
+        model = hep.from_pretrained(load_from, config)
+        model.set_attn_implementation(ref.config._attn_implementation)
+        model.train()
+    else:
+        hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
     models = (model, ref, ref64)
@@ -160,6 +168,7 @@ def train_parity(
         "clipped": any(n > max_norm for n in norms),
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
         "frozen_with_grad": frozen_with_grad,
+        "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
         **_compare_params(model, ref, ref64),
     }
 
@@ -691,3 +700,16 @@ def shared_overlap_equivalence(model_type: str) -> dict:
     state = hep.state_of(model)
     return {"equal": bool(torch.equal(la, lb)) and all(torch.equal(ga[n], gb[n]) for n in ga),
             "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}
+
+
+def save_and_reload_placement(directory: str, placement: list[list[int]]) -> dict:
+    """Save a model parallelized with ``placement``; reload it with no placement in the config."""
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=2, placement=placement))
+    save_hybrid_checkpoint(model, directory)
+    loaded = hep.from_pretrained(directory, hep.HybridEPConfig(dp_degree=1, ep_degree=2))
+    mine = dict(model.named_parameters())
+    equal = all(torch.equal(p, mine[n]) for n, p in loaded.named_parameters())
+    return {"reloaded": [list(r) for r in hep.state_of(loaded).layers[0].table.rows], "equal": equal}
