@@ -119,7 +119,8 @@ def _place(args: argparse.Namespace) -> None:
     for key, label in (("inter_node", "inter-node pair"), ("cross_node", "cross-node deduplicated"),
                        ("cross_rack_dedup", "cross-rack deduplicated")):
         if before[key]:
-            print(f"  {label} traffic: {100 * (1 - after[key] / before[key]):+.1f}% reduction")
+            change = 100 * (after[key] / before[key] - 1)
+            print(f"  {label} traffic: {abs(change):.1f}% {'less' if change <= 0 else 'more'} than contiguous")
     from .dispatch import PlacementTable
 
     table = PlacementTable.from_rows(stats.num_experts, result["placement"])

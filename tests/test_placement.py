@@ -204,7 +204,7 @@ def test_place_command(tmp_path, capsys):
     assert cli(["place", "--stats", str(stats), "--topology", "gpus_per_node=2", "--ep-degree", "4",
                 "--tolerance", "0.1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "contiguous" in printed and "reduction" in printed and "method coactivation" in printed
+    assert "contiguous" in printed and "less than contiguous" in printed and "method coactivation" in printed
     result = json.loads(out.read_text())
     table = PlacementTable.from_rows(8, result["placement"])
     _assert_valid(table, 8, 4, 0)
