@@ -233,10 +233,41 @@ def _pack(items: list[tuple[float, int]], sizes: list[int], order: str) -> list[
     return rows
 
 
+def _polish(rows: list[list[int]], per_copy: Sequence[float], groups: Sequence[int] | None = None,
+            max_iters: int = 1000) -> list[list[int]]:
+    """Swap copies between the most loaded rank and another (of the same group when ``groups`` is
+    given) while the maximum rank load drops; rows keep their sizes and distinct experts."""
+    rows = [list(r) for r in rows]
+    load = [sum(per_copy[e] for e in r) for r in rows]
+    for _ in range(max_iters):
+        top = max(range(len(rows)), key=lambda r: load[r])
+        best = None
+        for r in range(len(rows)):
+            if r == top or (groups is not None and groups[r] != groups[top]):
+                continue
+            for i, a in enumerate(rows[top]):
+                for j, b in enumerate(rows[r]):
+                    d = per_copy[a] - per_copy[b]
+                    if d <= 0 or a in rows[r] or b in rows[top]:
+                        continue
+                    peak = max(load[top] - d, load[r] + d)
+                    if peak < load[top] - 1e-9 * max(1.0, load[top]) and (best is None or peak < best[0]):
+                        best = (peak, r, i, j, d)
+        if best is None:
+            break
+        _, r, i, j, d = best
+        rows[top][i], rows[r][j] = rows[r][j], rows[top][i]
+        load[top] -= d
+        load[r] += d
+    return rows
+
+
 def hierarchical_placement(loads: Sequence[float], ep_degree: int, topology: Topology | str | None = None,
                            replicas: int = 0) -> PlacementTable:
     """Load-balanced packing level by level (racks → nodes → ranks) with ``replicas`` extra copies of
     the hottest experts; every rank gets ``(E + replicas) / ep_degree`` slots and distinct experts.
+    The packing is then polished by swapping copies between the most loaded rank and another while
+    that lowers the maximum rank load.
 
     ``topology=None`` packs directly onto ranks (one level)."""
     num_experts = len(loads)
@@ -246,10 +277,12 @@ def hierarchical_placement(loads: Sequence[float], ep_degree: int, topology: Top
     copies = _replica_counts(loads, replicas, ep_degree)
     items = [(loads[e] / copies[e], e) for e in range(num_experts) for _ in range(copies[e])]
     best, best_value = None, float("inf")
+    per_copy = [loads[e] / copies[e] for e in range(num_experts)]
     for order in ("load", "copies"):
         rows = _pack(items, sizes, order)
         if rows is None:
             continue
+        rows = _polish(rows, per_copy)
         table = PlacementTable.from_rows(num_experts, rows)
         value = imbalance(rank_loads(loads, table))
         if value < best_value - 1e-12:
@@ -395,18 +428,20 @@ def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology
 
 def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topology | str | None,
                            replicas: int = 0, tolerance: float = 0.05, max_swaps: int | None = None) -> PlacementTable:
-    """Co-activation-aware placement: the hierarchical packing, refined by swapping expert copies
-    between nodes while that lowers ``D_node/network_gbps + D_rack/rack_gbps`` and keeps the per-rank
-    load ≤ ``max(start, (1 + tolerance)·mean)``.
+    """Co-activation-aware placement: from two starts — the hierarchical packing and a greedy
+    co-activation clustering (repaired to the balance bound) — swap expert copies between nodes while
+    that keeps more co-activation weight inside nodes and racks and every rank's load within
+    ``max(hierarchical maximum, (1 + tolerance)·mean)``; return the candidate (hierarchical start
+    included) with the lowest exact expected ``D_node/network_gbps + D_rack/rack_gbps``.
 
-    Copies of a replicated expert are scored as if a token picked each copy with probability
-    ``1/R_e`` (the evaluation, :func:`expected_traffic`, uses the dispatcher's exact rule).
+    During the search copies of a replicated expert are scored as if a token picked each copy with
+    probability ``1/R_e``; the final choice uses :func:`expected_traffic` (the dispatcher's rule).
     """
-    topo = Topology.of(topology)
-    start = hierarchical_placement(stats.loads, ep_degree, topo, replicas)
     if stats.coactivation is None:
         raise HybridEPConfigError("co-activation-aware placement needs co-activation counts "
                                   "(train with coactivation_stats=True)")
+    topo = Topology.of(topology)
+    start = hierarchical_placement(stats.loads, ep_degree, topo, replicas)
     node_of_rank, rack_of_rank = _levels(ep_degree, topo)
     M, Q = int(node_of_rank.max()) + 1, int(rack_of_rank.max()) + 1
     if M == 1:
@@ -425,6 +460,7 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
     alpha = (1 - 1 / M) / topo.network_gbps
     beta = (1 - 1 / Q) / topo.rack_gbps if Q > 1 else 0.0
     item_load = loads[expert] / R[expert]
+    per_copy = [float(loads[e] / copies_of[e]) for e in range(stats.num_experts)]
     mean_rank = loads.sum() / ep_degree
     bound = max(max(rank_loads(loads, start)), (1 + tolerance) * mean_rank) * (1 + 1e-12)
     slots = len(start.rows[0])
@@ -436,22 +472,18 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
         for order in ("load", "copies"):
             bins = _pack_level(items, g, slots, 1, order)
             if bins is not None:
-                peak = max(sum(x for x, _ in b) for b in bins)
+                rows = _polish([[e for _, e in b] for b in bins], per_copy)
+                peak = max(sum(per_copy[e] for e in r) for r in rows)
                 if best is None or peak < best[0]:
-                    best = (peak, [[e for _, e in b] for b in bins])
+                    best = (peak, rows)
         return best
 
     def repack(members: np.ndarray) -> list[list[int]] | None:
         packed = pack_node(members)
         return None if packed is None or packed[0] > bound else packed[1]
 
-    def score(node: np.ndarray) -> float:  # co-activation weight kept inside nodes / racks (maximized)
-        same_n = node[:, None] == node[None, :]
-        same_r = (node // nodes_per_rack)[:, None] == (node // nodes_per_rack)[None, :]
-        return float(alpha * (W * same_n).sum() + beta * (W * same_r).sum()) / 2
-
-    def refine(node: np.ndarray) -> tuple[float, dict[int, list[list[int]]]] | None:
-        if not _repair(node):
+    def refine(node: np.ndarray) -> dict[int, list[list[int]]] | None:
+        if not repair(node):
             return None
         rows_by_node = {n: repack(np.flatnonzero(node == n)) for n in range(M)}
         limit = max_swaps if max_swaps is not None else 4 * len(expert)
@@ -477,9 +509,9 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
                 break
             if not moved:
                 break
-        return score(node), rows_by_node
+        return rows_by_node
 
-    def _repair(node: np.ndarray) -> bool:
+    def repair(node: np.ndarray) -> bool:
         """Swap copies out of nodes whose ranks exceed the bound (best co-activation gain first)."""
         for _ in range(4 * len(expert)):
             over = [n for n in range(M) if repack(np.flatnonzero(node == n)) is None]
@@ -487,10 +519,13 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
                 return True
             gain = alpha * _swap_gain(W, node, M) + beta * _swap_gain(W, node // nodes_per_rack, Q)
             bad = np.isin(node, over)
-            valid = bad[:, None] & (node[:, None] != node[None, :]) & (expert[:, None] != expert[None, :])
+            lighter = item_load[:, None] - item_load[None, :]  # i leaves an over-full node, j enters it
+            node_load = np.bincount(node, weights=item_load, minlength=M)
+            valid = (bad[:, None] & (node[:, None] != node[None, :]) & (expert[:, None] != expert[None, :])
+                     & (lighter > 0) & (node_load[node][None, :] + lighter <= g * bound))
             gain = np.where(valid, gain, -np.inf)
             fixed = False
-            for flat in np.argsort(-gain, axis=None):
+            for flat in np.argsort(-gain, axis=None)[:64]:
                 i, j = divmod(int(flat), len(expert))
                 if gain[i, j] == -np.inf:
                     break
@@ -509,9 +544,14 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
 
     starts = [node, _greedy_clusters(W, item_load, expert, M, g * slots, g, g * bound)]
     results = [r for r in (refine(n.copy()) for n in starts if n is not None) if r is not None]
-    _, rows_by_node = max(results, key=lambda r: r[0])
-    rows = [row for n in range(M) for row in rows_by_node[n]]
-    return PlacementTable.from_rows(stats.num_experts, rows)
+    candidates = [start] + [PlacementTable.from_rows(stats.num_experts, [row for n in range(M) for row in rows_by_node[n]])
+                            for rows_by_node in results]
+
+    def cost(table: PlacementTable) -> float:  # the exact model (replicas' local hits included)
+        t = expected_traffic(stats, table, topo)
+        return t["cross_node"] / topo.network_gbps + t["cross_rack_dedup"] / topo.rack_gbps
+
+    return min(candidates, key=cost)
 
 
 def _greedy_clusters(W: np.ndarray, load: np.ndarray, expert: np.ndarray, groups: int, size: int, same_limit: int,
