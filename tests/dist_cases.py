@@ -713,3 +713,13 @@ def save_and_reload_placement(directory: str, placement: list[list[int]]) -> dic
     mine = dict(model.named_parameters())
     equal = all(torch.equal(p, mine[n]) for n, p in loaded.named_parameters())
     return {"reloaded": [list(r) for r in hep.state_of(loaded).layers[0].table.rows], "equal": equal}
+
+
+def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:
+    """Parallelize with a topology; report the layout and this rank's EP group."""
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, topology=topology))
+    mesh = hep.state_of(model).mesh
+    group = [mesh.global_rank(mesh.dp_rank, r) for r in range(mesh.ep_degree)]
+    return {"kind": mesh.layout.kind, "ep": mesh.ep_degree, "group": group,
+            "nodes": sorted({mesh.topology.node_of(g) for g in group})}

@@ -86,3 +86,13 @@ def test_save_writes_the_model_table_and_loading_restores_it(pools, tmp_path):
     assert checkpoint_placement(tmp_path / "ckpt") == PERMUTED
     for r in results:
         assert r["reloaded"] == PERMUTED and r["equal"], r
+
+
+def test_ep_groups_follow_the_topology(pools):
+    pool = pools(4)
+    # default ep with 2 GPUs per node: the EP group fills one node
+    for r in pool.run(cases.mesh_layout, None, None, "gpus_per_node=2"):
+        assert (r["kind"], r["ep"], len(r["nodes"])) == ("intra_node", 2, 1), r
+    # ep 4 > 2 GPUs per node: hierarchical, the group spans both nodes
+    for r in pool.run(cases.mesh_layout, 1, 4, "gpus_per_node=2"):
+        assert (r["kind"], r["group"], r["nodes"]) == ("hierarchical", [0, 1, 2, 3], [0, 1]), r
