@@ -102,6 +102,16 @@ class HybridEPConfig:
             tokens for those experts are computed locally; gradients go back to the owners before the
             expert gradient reduction, so training stays faithful.
         expert_cache_capacity: at most this many shadows per rank and MoE layer.
+
+    Topology and placement statistics:
+
+        topology: the cluster as a spec string (:mod:`hf_hybrid_ep.topology`), e.g.
+            ``"racks=2,nodes_per_rack=2,gpus_per_node=8"``. EP groups are then checked to lie inside a
+            node (or to span whole nodes when ``ep_degree > gpus_per_node``), and the default
+            ``ep_degree`` fits in one of its nodes. ``None``: ``LOCAL_WORLD_SIZE`` GPUs per node.
+        coactivation_stats: also count, per MoE layer, the expert pairs chosen by the same token (an
+            ``E × E`` counter, all-reduced with the loads once per optimizer step and written to
+            ``expert_load.jsonl`` as ``coactivation``) for co-activation-aware placement.
     """
 
     dp_degree: int | None = None
@@ -124,6 +134,8 @@ class HybridEPConfig:
     dead_expert_steps: int = 100
     expert_cache: bool = False
     expert_cache_capacity: int = 1
+    topology: str | None = None
+    coactivation_stats: bool = False
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -220,6 +232,14 @@ class HybridEPConfig:
         capacity = self.expert_cache_capacity
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise HybridEPConfigError(f"expert_cache_capacity={capacity!r} must be a positive integer")
+        if self.topology is not None:
+            if not isinstance(self.topology, str):
+                raise HybridEPConfigError(f"topology={self.topology!r} must be a spec string such as 'gpus_per_node=8'")
+            from .topology import Topology
+
+            Topology.parse(self.topology)
+        if not isinstance(self.coactivation_stats, bool):
+            raise HybridEPConfigError(f"coactivation_stats={self.coactivation_stats!r} must be true or false")
 
     def selection_controls_on(self) -> bool:
         """Whether any control needs the router's selection rule to be replaced."""
@@ -238,6 +258,10 @@ class HybridEPConfig:
             num_experts: routed experts per MoE layer ``E``.
             local_world_size: ranks per node; defaults to ``LOCAL_WORLD_SIZE`` or the world size.
         """
+        if local_world_size is None and self.topology:
+            from .topology import Topology
+
+            local_world_size = min(Topology.parse(self.topology).gpus_per_node, world_size)
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         dp, ep = self.dp_degree, self.ep_degree

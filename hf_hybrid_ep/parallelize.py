@@ -144,7 +144,7 @@ def parallelize(
     dp, ep = config.resolve(world, math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
     tables = [_table_for(config, m.num_experts, ep) for _, m in found]
-    mesh = build_mesh(dp, ep)
+    mesh = build_mesh(dp, ep, topology=config.topology)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
 

@@ -117,6 +117,7 @@ def train_parity(
     expert_cache_capacity: int | None = None,
     skew: tuple[list[int], float] | None = None,
     seq: int = SEQ,
+    load_from: str | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -124,6 +125,8 @@ def train_parity(
     ``batched_mm``, as ``grouped_mm`` has no fp64 kernel) measures the round-off floor of that reference.
     ``expert_cache_capacity`` turns hot-expert shadowing on (``routing_step`` after every optimizer step);
     ``skew = (hot experts, bias)`` raises those experts' router bias in both models.
+    With ``load_from``, the hybrid model is loaded rank-locally from that checkpoint of the same
+    weights (``hf_hybrid_ep.from_pretrained``; its placement is the one stored in the index).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build(model_type, num_experts)
@@ -137,7 +140,12 @@ def train_parity(
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
                                 expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
                                 expert_cache_capacity=expert_cache_capacity or 1)
-    hep.parallelize(model, config)
+    if load_from is not None:
+        model = hep.from_pretrained(load_from, config)
+        model.set_attn_implementation(ref.config._attn_implementation)
+        model.train()
+    else:
+        hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
     models = (model, ref, ref64)
@@ -190,6 +198,7 @@ def train_parity(
         "clipped": any(n > max_norm for n in norms),
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
         "frozen_with_grad": frozen_with_grad,
+        "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
         **_compare_params(model, ref, ref64),
     }
 
@@ -746,3 +755,26 @@ def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) 
     layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
     return {"losses": tc.losses(trainer), "shadows_held": sum(v["shadow"]["shadows_held"] for v in layers),
             "rows_local": sum(v["shadow"]["rows_local"] for v in layers)}
+
+
+def save_and_reload_placement(directory: str, placement: list[list[int]]) -> dict:
+    """Save a model parallelized with ``placement``; reload it with no placement in the config."""
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=2, placement=placement))
+    save_hybrid_checkpoint(model, directory)
+    loaded = hep.from_pretrained(directory, hep.HybridEPConfig(dp_degree=1, ep_degree=2))
+    mine = dict(model.named_parameters())
+    equal = all(torch.equal(p, mine[n]) for n, p in loaded.named_parameters())
+    return {"reloaded": [list(r) for r in hep.state_of(loaded).layers[0].table.rows], "equal": equal}
+
+
+def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:
+    """Parallelize with a topology; report the layout and this rank's EP group."""
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, topology=topology))
+    mesh = hep.state_of(model).mesh
+    group = [mesh.global_rank(mesh.dp_rank, r) for r in range(mesh.ep_degree)]
+    return {"kind": mesh.layout.kind, "ep": mesh.ep_degree, "group": group,
+            "nodes": sorted({mesh.topology.node_of(g) for g in group})}
