@@ -6,19 +6,33 @@ capacity.
 
     python benchmarks/bench_cache.py --model runs/demo/checkpoint-30 --out bench_cache   # a trained model
     python benchmarks/bench_cache.py --out bench_cache                                  # the demo config
+
+``--prefetch-capacity N`` also decodes the same prompts offloaded (N resident experts per layer, experts
+memory-mapped from a checkpoint written to the output directory) with and without prefetch, and reports
+the prediction's recall and the hit rates.
+
+Hot-expert shadowing in training (bytes crossing ranks per step with and without ``expert_cache``, on a
+skewed workload: a tiny GPT-OSS whose router bias makes two experts draw most tokens)::
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/bench_cache.py --shadow --out bench_cache_shadow
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig
 
+import hf_hybrid_ep as hep
 from hf_hybrid_ep.cache import POLICIES, replay
 from hf_hybrid_ep.experts import find_experts_modules
+from hf_hybrid_ep.routing import find_router
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "scripts" / "demo_assets"
 
@@ -51,13 +65,121 @@ def _record(model, prompts: torch.Tensor, new_tokens: int) -> dict[str, list[lis
     return {name: trace[1:] for name, trace in traces.items()}  # drop the prompt's prefill step
 
 
+def prefetch_report(model, prompts: torch.Tensor, new_tokens: int, capacity: int, store: Path) -> dict:
+    """Offloaded sampled decoding from a memory-mapped checkpoint, without and with prefetch: hit rate
+    and (with prefetch) the recall and precision of the next-layer prediction, per layer."""
+    if not store.exists():
+        model.save_pretrained(store)
+    report = {}
+    for prefetch in (False, True):
+        offloaded = copy.deepcopy(model)
+        hep.offload(offloaded, capacity=capacity, policy="lru", store=store, prefetch=prefetch)
+        for i, prompt in enumerate(prompts):
+            torch.manual_seed(i)
+            with torch.no_grad():
+                offloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, do_sample=True, top_k=0, temperature=1.0)
+        report["prefetch" if prefetch else "plain"] = hep.cache_stats(offloaded)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- shadowing
+
+
+def _skewed_gpt_oss(num_experts: int, hot: list[int], skew: float):
+    config = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_local_experts=num_experts, num_experts_per_tok=2,
+                          vocab_size=512, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for name, module in find_experts_modules(model):
+        with torch.no_grad():
+            find_router(model, name, module.num_experts)[1].bias[hot] += skew
+    return model
+
+
+def shadow_bench(args) -> None:
+    """Train a few AdamW steps twice (expert_cache off, on) on every rank; report bytes crossing ranks."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hot = [0, args.experts // 2]
+    runs = {}
+    for cache in (False, True):
+        model = _skewed_gpt_oss(args.experts, hot, args.skew)
+        config = hep.HybridEPConfig(ep_degree=world, dp_degree=1, expert_cache=cache,
+                                    expert_cache_capacity=args.shadow_capacity)
+        hep.parallelize(model, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        steps = []
+        for step in range(args.steps):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            ids = torch.randint(3, 512, (args.batch, args.seq), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            hep.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            hep.routing_step(model)  # with the cache: decides the next step's shadows and fetches them
+            stats = hep.comm_stats(model)
+            layers = [v for k, v in stats.items() if k != "gradient_reduction"]
+            tokens = sum(v[p]["remote_bytes_sent"] for v in layers
+                         for p in ("dispatch", "combine", "dispatch_backward", "combine_backward"))
+            shadow = [sum(v["shadow"][k] for v in layers) for k in
+                      ("weight_bytes_sent", "grad_bytes_sent", "control_bytes", "rows_local", "shadows_held")]
+            rows = sum(v["dispatch"]["remote_rows_sent"] for v in layers)
+            figures = torch.tensor([tokens, *shadow, rows, loss.item() * 1e6], dtype=torch.float64)
+            dist.all_reduce(figures)
+            steps.append(figures.tolist())
+            hep.reset_comm_stats(model)
+        runs["on" if cache else "off"] = steps
+    if rank == 0:
+        print(f"world {world} (1 × {world}), {args.experts} experts, router bias +{args.skew} on experts {hot}, "
+              f"{args.batch}×{args.seq} tokens per rank, top-2, {args.steps} AdamW steps; bytes summed over ranks")
+        print("| step | crossing, cache off | crossing, cache on (tokens + weights + grads + masks) | saved | "
+              "rows kept local | shadows held | loss off / on |")
+        print("|---|---|---|---|---|---|---|")
+        table = []
+        for step, (off, on) in enumerate(zip(runs["off"], runs["on"], strict=True)):
+            crossing_off = off[0]
+            crossing_on = on[0] + on[1] + on[2] + on[3]
+            table.append({"step": step, "bytes_off": crossing_off, "bytes_on": crossing_on,
+                          "token_bytes_on": on[0], "weight_bytes": on[1], "grad_bytes": on[2], "control_bytes": on[3],
+                          "rows_local": on[4], "shadows_held": on[5], "remote_rows_off": off[6],
+                          "remote_rows_on": on[6], "loss_off": off[7] / 1e6 / world, "loss_on": on[7] / 1e6 / world})
+            print(f"| {step} | {crossing_off / 1024:.1f} KiB | {crossing_on / 1024:.1f} KiB ({on[0] / 1024:.1f} + "
+                  f"{on[1] / 1024:.1f} + {on[2] / 1024:.1f} + {on[3] / 1024:.2f}) | "
+                  f"{(crossing_off - crossing_on) / 1024:.1f} KiB | {int(on[4])} | {int(on[5])} | "
+                  f"{off[7] / 1e6 / world:.5f} / {on[7] / 1e6 / world:.5f} |")
+        print("(a step's window: its token exchanges, its shadows' gradient return, and the refresh after its "
+              "optimizer step that fetches the next step's shadows)")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_shadow.json").write_text(json.dumps({"world": world, "experts": args.experts, "hot": hot,
+                                                           "skew": args.skew, "steps": table}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo config, random init)")
     parser.add_argument("--out", default="bench_cache")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefetch-capacity", type=int, default=0, help="also measure prefetch recall (0: off)")
+    parser.add_argument("--shadow", action="store_true", help="shadowing in training (run under torchrun)")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--skew", type=float, default=3.0)
+    parser.add_argument("--shadow-capacity", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
+    if args.shadow:
+        shadow_bench(args)
+        return
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise SystemExit("trace replay runs in one process; use --shadow under torchrun")
     torch.manual_seed(0)
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -108,6 +230,19 @@ def main() -> None:
     for c in capacities:
         print(f"| {c} | " + " | ".join(f"{results[p][c]['hit_rate']:.3f}" for p in POLICIES) + " |")
     print(f"wrote {out / 'bench_cache.json'} and {out / 'hit_rate.png'}")
+    if args.prefetch_capacity:
+        store = Path(args.model) if args.model else out / "store"  # a hybrid-EP checkpoint's expert files
+        report = prefetch_report(model, prompts, args.new_tokens, args.prefetch_capacity, store)
+        (out / "bench_prefetch.json").write_text(json.dumps(report, indent=1))
+        print(f"offloaded sampled decoding, {args.prefetch_capacity} resident experts per layer, lru, "
+              "experts memory-mapped from safetensors:")
+        print("| layer | hit rate, plain | hit rate, prefetch | prefetch recall | prefetch precision |")
+        print("|---|---|---|---|---|")
+        for name in report["plain"]:
+            plain, pre = report["plain"][name], report["prefetch"][name]
+            recall = f"{pre['prefetch_recall']:.3f}" if pre["used"] else "— (first layer)"
+            precision = f"{pre['prefetch_precision']:.3f}" if pre["used"] else "—"
+            print(f"| {name} | {plain['hit_rate']:.3f} | {pre['hit_rate']:.3f} | {recall} | {precision} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,15 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 """
 
-from .cache import ExpertCache, cache_stats, offload, resize_offload
+from .cache import (
+    ExpertCache,
+    MemoryStore,
+    SafetensorsStore,
+    cache_stats,
+    load_offloaded,
+    offload,
+    resize_offload,
+)
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, HybridEPConfigError
@@ -41,6 +49,8 @@ __all__ = [
     "is_fused_experts",
     "make_optimizer",
     "memory_report",
+    "load_offloaded",
+    "MemoryStore",
     "no_sync",
     "offload",
     "parallelize",
@@ -51,5 +61,6 @@ __all__ = [
     "routing_step",
     "shard_optimizer",
     "ShardedOptimizer",
+    "SafetensorsStore",
     "state_of",
 ]

@@ -18,7 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a Hub repo or local checkpoint to the hybrid-EP format")
     p.add_argument("src", help="Hub repo id or local checkpoint directory")
     p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--ep-degree", type=int, required=True, help="EP ranks to lay the experts out for")
+    p.add_argument("--ep-degree", type=int, default=None, help="EP ranks to lay the experts out for "
+                   "(default: the placement's row count)")
+    p.add_argument("--placement", default=None, help="placement.json (from `place`) or a JSON table of rows")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--max-shard-size-mb", type=int, default=5 * 1024, help="cap of dense and fused files")
@@ -27,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="rewrite a hybrid-EP checkpoint for another EP degree")
     p.add_argument("ckpt")
     p.add_argument("out")
-    p.add_argument("--ep-degree", type=int, required=True)
+    p.add_argument("--ep-degree", type=int, default=None)
+    p.add_argument("--placement", default=None, help="placement.json (from `place`) or a JSON table of rows")
 
     p = sub.add_parser("export", help="write a plain Hugging Face checkpoint in the original key format")
     p.add_argument("ckpt")
@@ -53,11 +56,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="fsdp: dense weights, gradients and state FSDP2-sharded over the world")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("place", help="load-balanced expert placement (with hot-expert replicas) from load stats")
-    p.add_argument("--stats", required=True, help="expert_load.jsonl written during training")
-    p.add_argument("--ep-degree", type=int, required=True)
-    p.add_argument("--replicas", type=int, default=0, help="extra copies of the hottest experts per layer")
-    p.add_argument("--out", required=True, help="placement.json (one table per MoE layer)")
+    from .placement import __doc__ as placement_model
+
+    p = sub.add_parser("place", help="topology- and co-activation-aware expert placement (with hot-expert replicas)",
+                       description=placement_model, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stats", required=True, help="expert_load.jsonl written during training (with "
+                   "coactivation_stats=True for co-activation-aware placement)")
+    p.add_argument("--topology", default=None, help="e.g. racks=2,nodes_per_rack=2,gpus_per_node=8")
+    p.add_argument("--ep-degree", type=int, default=None, help="EP ranks (default: every GPU of the topology, "
+                   "or one node)")
+    p.add_argument("--replicas", type=int, default=0, help="extra copies of the hottest experts")
+    p.add_argument("--tolerance", type=float, default=0.05, help="allowed per-rank load above max(balanced, mean)")
+    p.add_argument("--out", required=True, help="placement.json: one table for every MoE layer")
 
     p = sub.add_parser("report", help="plots and a summary of an expert_load.jsonl")
     p.add_argument("stats", help="expert_load.jsonl written during training")
@@ -70,13 +80,77 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_placement(path: str | None) -> list[list[int]] | None:
+    """Rows of a placement table from ``placement.json`` (its ``placement`` key) or a bare JSON list."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise HybridEPConfigError(f"placement file {path!r} is not JSON: {err}") from err
+    rows = data.get("placement") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not all(isinstance(r, list) and all(isinstance(e, int) for e in r) for r in rows):
+        raise HybridEPConfigError(f"placement file {path!r} holds no table (a list of lists of expert ids)")
+    return rows
+
+
+def _traffic_line(t: dict) -> str:
+    line = (f"pair sends intra-node {t['intra_node']:.4g}, inter-node {t['inter_node']:.4g}, "
+            f"cross-rack {t['cross_rack']:.4g}")
+    if t["cross_node"] is not None:
+        line += f"; node-deduplicated cross-node {t['cross_node']:.4g}, cross-rack {t['cross_rack_dedup']:.4g}"
+    return line
+
+
+def _place(args: argparse.Namespace) -> None:
+    from .metrics import read_jsonl
+    from .placement import RoutingStats, imbalance, place_report, rank_loads
+    from .topology import Topology
+
+    records = read_jsonl(args.stats)
+    topo = Topology.parse(args.topology)
+    ep = args.ep_degree or topo.total_gpus or topo.gpus_per_node
+    stats = RoutingStats.from_records(records)
+    result = place_report(stats, ep, args.replicas, topo, args.tolerance)
+    print(f"{len(records)} records, {stats.layers} MoE layers, {stats.num_experts} experts, top-{stats.top_k}; "
+          f"ep {ep} on {topo.describe()}; method {result['method']}")
+    print("token sends per direction (dispatch; combine mirrors it), summed over layers:")
+    for name in ("contiguous", "placed"):
+        r = result[name]
+        print(f"  {name:10s}: rank imbalance (max/mean) {r['imbalance']:.3f}; {_traffic_line(r['traffic'])}")
+    before, after = result["contiguous"]["traffic"], result["placed"]["traffic"]
+    for key, label in (("inter_node", "inter-node pair"), ("cross_node", "cross-node deduplicated"),
+                       ("cross_rack_dedup", "cross-rack deduplicated")):
+        if before[key]:
+            change = 100 * (after[key] / before[key] - 1)
+            print(f"  {label} traffic: {abs(change):.1f}% {'less' if change <= 0 else 'more'} than contiguous")
+    from .dispatch import PlacementTable
+
+    table = PlacementTable.from_rows(stats.num_experts, result["placement"])
+    contiguous = PlacementTable.contiguous(stats.num_experts, ep)
+    layers = {}
+    for name in records[0]["layers"]:
+        loads = RoutingStats.from_records(records, [name]).loads
+        layers[name] = {"imbalance_contiguous": imbalance(rank_loads(loads, contiguous)),
+                        "imbalance_balanced": imbalance(rank_loads(loads, table))}
+    result["layers"] = layers
+    from pathlib import Path
+
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out} (use: HybridEPConfig(placement=...), convert/reshard --placement {out})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "convert":
             out = convert_checkpoint(
                 args.src, args.out, ep_degree=args.ep_degree, dtype=args.dtype, revision=args.revision,
-                max_shard_bytes=args.max_shard_size_mb * 2**20,
+                max_shard_bytes=args.max_shard_size_mb * 2**20, placement=_read_placement(args.placement),
             )
             print(f"wrote {out}")
             if args.push_to_hub:
@@ -84,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(push_to_hub(out, args.push_to_hub))
         elif args.command == "reshard":
-            print(f"wrote {convert_checkpoint(args.ckpt, args.out, ep_degree=args.ep_degree)}")
+            print(f"wrote {convert_checkpoint(args.ckpt, args.out, ep_degree=args.ep_degree, placement=_read_placement(args.placement))}")
         elif args.command == "export":
             dropped = export_checkpoint(args.ckpt, args.out)
             print(f"wrote {args.out}")
@@ -99,20 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                           recipe, args.optimizer_sharding, args.dense_sharding)
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "place":
-            from .metrics import read_jsonl
-            from .placement import place_report
-
-            records = read_jsonl(args.stats)
-            layers = {}
-            for name in records[0]["layers"]:
-                loads = [sum(r["layers"][name]["tokens_per_expert"][e] for r in records if name in r["layers"])
-                         for e in range(len(records[0]["layers"][name]["tokens_per_expert"]))]
-                layers[name] = place_report(loads, args.ep_degree, args.replicas)
-                print(f"{name}: rank imbalance (max/mean) contiguous {layers[name]['imbalance_contiguous']:.3f} -> "
-                      f"balanced {layers[name]['imbalance_balanced']:.3f}")
-            with open(args.out, "w") as f:
-                json.dump({"ep_degree": args.ep_degree, "replicas": args.replicas, "layers": layers}, f, indent=1)
-            print(f"wrote {args.out}")
+            _place(args)
         elif args.command == "report":
             from .metrics import write_report
 

@@ -106,6 +106,25 @@ class HybridEPConfig:
         dense_sharding: ``"replicate"`` (dense weights on every rank, the default and fastest) or
             ``"fsdp"``: dense weights FSDP2-sharded over the world (``fully_shard`` per decoder layer and
             the root), experts left to the engine.
+
+    Hot-expert shadowing (off by default; see ``hf_hybrid_ep/shadow.py`` and docs/expert_cache.md):
+
+        expert_cache: after every optimizer step (``routing_step``), each rank holds local replicas
+            ("shadows") of the remote experts its own tokens used most in the previous step, when the
+            token bytes saved exceed the weight bytes fetched plus gradient bytes returned. Its own
+            tokens for those experts are computed locally; gradients go back to the owners before the
+            expert gradient reduction, so training stays faithful.
+        expert_cache_capacity: at most this many shadows per rank and MoE layer.
+
+    Topology and placement statistics:
+
+        topology: the cluster as a spec string (:mod:`hf_hybrid_ep.topology`), e.g.
+            ``"racks=2,nodes_per_rack=2,gpus_per_node=8"``. EP groups are then checked to lie inside a
+            node (or to span whole nodes when ``ep_degree > gpus_per_node``), and the default
+            ``ep_degree`` fits in one of its nodes. ``None``: ``LOCAL_WORLD_SIZE`` GPUs per node.
+        coactivation_stats: also count, per MoE layer, the expert pairs chosen by the same token (an
+            ``E × E`` counter, all-reduced with the loads once per optimizer step and written to
+            ``expert_load.jsonl`` as ``coactivation``) for co-activation-aware placement.
     """
 
     dp_degree: int | None = None
@@ -128,6 +147,10 @@ class HybridEPConfig:
     dead_expert_steps: int = 100
     optimizer_sharding: str = "none"
     dense_sharding: str = "replicate"
+    expert_cache: bool = False
+    expert_cache_capacity: int = 1
+    topology: str | None = None
+    coactivation_stats: bool = False
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -225,6 +248,19 @@ class HybridEPConfig:
             )
         if self.dense_sharding not in DENSE_SHARDINGS:
             raise HybridEPConfigError(f"dense_sharding={self.dense_sharding!r} must be one of {list(DENSE_SHARDINGS)}")
+        if not isinstance(self.expert_cache, bool):
+            raise HybridEPConfigError(f"expert_cache={self.expert_cache!r} must be true or false")
+        capacity = self.expert_cache_capacity
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise HybridEPConfigError(f"expert_cache_capacity={capacity!r} must be a positive integer")
+        if self.topology is not None:
+            if not isinstance(self.topology, str):
+                raise HybridEPConfigError(f"topology={self.topology!r} must be a spec string such as 'gpus_per_node=8'")
+            from .topology import Topology
+
+            Topology.parse(self.topology)
+        if not isinstance(self.coactivation_stats, bool):
+            raise HybridEPConfigError(f"coactivation_stats={self.coactivation_stats!r} must be true or false")
 
     def selection_controls_on(self) -> bool:
         """Whether any control needs the router's selection rule to be replaced."""
@@ -243,6 +279,10 @@ class HybridEPConfig:
             num_experts: routed experts per MoE layer ``E``.
             local_world_size: ranks per node; defaults to ``LOCAL_WORLD_SIZE`` or the world size.
         """
+        if local_world_size is None and self.topology:
+            from .topology import Topology
+
+            local_world_size = min(Topology.parse(self.topology).gpus_per_node, world_size)
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         dp, ep = self.dp_degree, self.ep_degree

@@ -155,6 +155,7 @@ class ExpertParallelLayer:
         self.shared_overlap: SharedExpertOverlap | None = None
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
+        self.shadows = None  # a shadow.LayerShadows while hot-expert shadowing holds remote experts here
         self.dispatcher = make_dispatcher(
             dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type,
             alignment=alignment,
@@ -211,29 +212,50 @@ class ExpertParallelLayer:
             )
         if self.routing is not None:
             self.routing.count(top_k_index, dropped)
+        shadow_slot_of = self.shadows.slot_of(top_k_index.device) if self.shadows is not None else None
         if self.overlap_degree > 1:
-            return self._forward_pipelined(hidden_states, top_k_index, top_k_weights)
-        rows, _, handle = self.dispatcher.dispatch(hidden_states, top_k_index)
+            return self._forward_pipelined(hidden_states, top_k_index, top_k_weights, shadow_slot_of)
+        rows, _, handle = self.dispatcher.dispatch(hidden_states, top_k_index, shadow_slot_of)
         overlap = None
         if self.shared_overlap is not None:
             self.shared_overlap.experts_ran = True
             if self.shared_overlap.after_experts:
                 overlap = lambda: self.shared_overlap.precompute(hidden_states)  # noqa: E731
-        out = self.dispatcher.combine(self._experts(rows, handle), top_k_weights, handle, overlap_with=overlap)
+        out = self.dispatcher.combine(self._experts(rows, handle), top_k_weights, handle, overlap_with=overlap,
+                                      shadow_out=self._shadow_experts(hidden_states, handle))
         return out.to(hidden_states.dtype)
+
+    def _shadow_experts(self, hidden: torch.Tensor, handle) -> torch.Tensor | None:
+        """This rank's shadows (local replicas of remote experts) on its own pairs for them, through the
+        module's own experts implementation with the shadow weights swapped in; ``None`` when none."""
+        if not handle.num_shadow:
+            return None
+        rows = self.dispatcher.shadow_rows(hidden, handle)
+        self.shadows.count_rows(self.stats.shadow, rows)
+        module = self.module
+        saved, saved_count = {p: module._parameters[p] for p in self.param_names}, module.num_experts
+        try:
+            module._parameters.update(self.shadows.params)
+            module.num_experts = len(self.shadows.experts)
+            unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+            return self._local_forward(module, rows, handle.shadow_slot.unsqueeze(1), unit)
+        finally:
+            module._parameters.update(saved)
+            module.num_experts = saved_count
 
     def _experts(self, rows: torch.Tensor, handle) -> torch.Tensor:
         """This rank's experts on received rows (unit weights: the sender applies the routing weights)."""
         return self.dispatcher.run_experts(self.module, self._local_forward, rows, handle)
 
-    def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                           shadow_slot_of: torch.Tensor | None = None) -> torch.Tensor:
         """Split the tokens into ``overlap_degree`` chunks; the token exchange of chunk i+1 runs
         (asynchronously) while the experts of chunk i compute. Every rank runs the same number of
         chunks (a chunk may be empty), so the collectives pair up in the same order everywhere."""
         chunks = self.overlap_degree
         bounds = [hidden.shape[0] * i // chunks for i in range(chunks + 1)]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        handles = [self.dispatcher.plan(index[a:b]) for a, b in spans]
+        handles = [self.dispatcher.plan(index[a:b], shadow_slot_of) for a, b in spans]
         pending = self.dispatcher.send(hidden[spans[0][0] : spans[0][1]], handles[0], async_op=True)
         outputs = []
         for i, (a, b) in enumerate(spans):
@@ -243,7 +265,8 @@ class ExpertParallelLayer:
                 following = self.dispatcher.send(hidden[na:nb], handles[i + 1], async_op=True)
             handles[i].wait()
             expert_out = self._experts(pending, handles[i])
-            outputs.append(self.dispatcher.combine(expert_out, weights[a:b], handles[i]))
+            shadow_out = self._shadow_experts(hidden[a:b], handles[i])
+            outputs.append(self.dispatcher.combine(expert_out, weights[a:b], handles[i], shadow_out=shadow_out))
             pending = following
         return torch.cat(outputs).to(hidden.dtype)
 

@@ -74,6 +74,9 @@ class GradientReducer:
         self.enabled = True
         # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
         self.sync_predicate: Callable[[], bool] | None = None
+        # Run at the start of every reduction, after missing gradients are zero-filled (e.g. shadow
+        # gradients returned to their owners by hot-expert shadowing). Collective on every rank.
+        self.pre_reduce_hooks: list[Callable[[], None]] = []
         self.stats = ReducerStats()
         # A zero.ZeroSharding once a sharded optimizer exists: reduce-scatter instead of all-reduce.
         self.sharding = None
@@ -113,6 +116,8 @@ class GradientReducer:
         for p in self.parameters():
             if p.requires_grad and p.grad is None and not _is_dtensor(p):
                 p.grad = torch.zeros_like(p)
+        for hook in self.pre_reduce_hooks:
+            hook()
         world = self.mesh.world_size
         if self.sharding is not None:
             self.sharding.reduce_scatter_grads(world, dense_reduced=not self.reduce_dense)

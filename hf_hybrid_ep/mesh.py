@@ -1,7 +1,11 @@
 """The DP×EP device mesh and its process groups.
 
 Rank ``g = dp_rank * ep_degree + ep_rank``. EP groups are the ``ep_degree`` consecutive ranks of one
-row (one node, NVLink); EDP (expert-data-parallel) groups are the strided columns ``{ep_rank + i*ep}``.
+row; EDP (expert-data-parallel) groups are the strided columns ``{ep_rank + i*ep}``. Launchers number
+ranks node-major, so with a :class:`~hf_hybrid_ep.topology.Topology` an EP group lies inside one node
+(NVLink) when ``ep ≤ gpus_per_node`` and spans whole nodes otherwise (hierarchical: NVLink inside,
+the network between); ``build_mesh(..., topology=...)`` checks that and refuses a group that would
+straddle a node boundary (:func:`hf_hybrid_ep.topology.ep_group_layout`).
 Meshes are cached per ``(dp, ep, device type, world group)`` so repeated ``parallelize`` calls in one process reuse
 their groups (creating a group is a collective over the whole world).
 """
@@ -14,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-_MESH_CACHE: dict[tuple[int, int, str, int], HybridMesh] = {}
+from .topology import GroupLayout, Topology, ep_group_layout
+
+_MESH_CACHE: dict[tuple, HybridMesh] = {}
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
@@ -30,6 +36,8 @@ class HybridMesh:
     rank: int
     device_type: str
     device_mesh: DeviceMesh | None
+    topology: Topology | None = None
+    layout: GroupLayout | None = None  # where the EP groups sit, when a topology is known
 
     @property
     def world_size(self) -> int:
@@ -84,11 +92,14 @@ def default_device_type() -> str:
     return "cpu"
 
 
-def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None) -> HybridMesh:
+def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
+               topology: Topology | str | None = None) -> HybridMesh:
     """Build (or reuse) the ``("dp", "ep")`` mesh for the current world.
 
     Raises:
         ValueError: if ``dp_degree * ep_degree`` differs from the world size.
+        HybridEPConfigError: with a ``topology``, if the world does not fit it or an EP group would
+            straddle a node boundary.
     """
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
@@ -96,13 +107,15 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None) -
         raise ValueError(
             f"dp_degree × ep_degree = {dp_degree} × {ep_degree} does not equal the world size {world}"
         )
+    topo = None if topology is None else Topology.of(topology)
+    layout = None if topo is None else ep_group_layout(world, ep_degree, topo)
     device_type = device_type or default_device_type()
     if not initialized:
-        return HybridMesh(1, 1, 0, device_type, None)
-    key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD))  # a new world gets new groups
+        return HybridMesh(1, 1, 0, device_type, None, topo, layout)
+    key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo)  # a new world gets new groups
     if key not in _MESH_CACHE:
         mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("dp", "ep"))
-        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh)
+        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, layout)
     return _MESH_CACHE[key]
 
 

@@ -9,7 +9,9 @@ off). Definitions, per layer over the window since the last report:
 * ``imbalance_expert`` / ``imbalance_rank``: max / mean of those;
 * ``dropped_fraction``: assignments dropped by capacity / all assignments;
 * ``router_entropy``: mean entropy (nats) of the softmax of the router logits per token;
-* ``dead_experts``: experts that received no assignment in the last ``dead_expert_steps`` steps.
+* ``dead_experts``: experts that received no assignment in the last ``dead_expert_steps`` steps;
+* ``coactivation`` (with ``coactivation_stats``): the symmetric ``E × E`` matrix of tokens that chose
+  both experts a and b (kept assignments), zero diagonal.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def load_report(model: nn.Module, reset: bool = True) -> dict[str, dict[str, Any
             "router_entropy": float(w[E + 2] / w[E + 3]) if float(w[E + 3]) > 0 else 0.0,
             "dead_experts": int(dead.sum()) if state.optimizer_steps >= state.config.dead_expert_steps else 0,
         }
+        if routing.coactivation:
+            report[layer.name]["coactivation"] = routing.coactivation_matrix(w).long().tolist()
         if reset:
             routing.window.zero_()
             routing.window_steps = 0

@@ -16,6 +16,7 @@ from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, 
 from .grads import ExpertBucket, GradientReducer, _is_dtensor
 from .mesh import HybridMesh, build_mesh, current_device, default_device_type
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
+from .shadow import ShadowManager
 
 
 @dataclass
@@ -27,6 +28,7 @@ class HybridEPState:
     layers: list[ExpertParallelLayer]
     reducer: GradientReducer
     optimizer_steps: int = 0
+    shadows: ShadowManager | None = None  # hot-expert shadowing (config.expert_cache)
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
         """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
@@ -142,7 +144,7 @@ def parallelize(
     dp, ep = config.resolve(world, math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
     tables = [_table_for(config, m.num_experts, ep) for _, m in found]
-    mesh = build_mesh(dp, ep)
+    mesh = build_mesh(dp, ep, topology=config.topology)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
 
@@ -175,6 +177,10 @@ def parallelize(
     reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
     reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=reduce_dense)
     model._hybrid_ep = HybridEPState(config, mesh, layers, reducer)
+    if config.expert_cache:
+        shadows = ShadowManager(layers, mesh, config.expert_cache_capacity)
+        reducer.pre_reduce_hooks.append(shadows.return_gradients)
+        model._hybrid_ep.shadows = shadows
     _wrap_save_pretrained(model)
     _wrap_generate(model)
     return model
@@ -221,9 +227,13 @@ def _wrap_generate(model: nn.Module) -> None:
 def routing_step(model: nn.Module) -> None:
     """Call once after every optimizer step (the Trainer integration does): reduces the step's expert
     loads over the world, applies aux-loss-free bias updates and device-load estimates, and feeds the
-    load metrics. Collective: call on every rank."""
+    load metrics; with ``expert_cache`` on, decides the next step's shadows from this step's routing
+    counts and fetches their fresh weights (so call it after ``optimizer.step()``). Collective: call on
+    every rank."""
     state = state_of(model)
     state.optimizer_steps += 1
+    if state.shadows is not None:
+        state.shadows.refresh()
     on_optimizer_step(model, state.config, state.layers, state.mesh, state.optimizer_steps)
 
 

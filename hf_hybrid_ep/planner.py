@@ -27,14 +27,27 @@ Communication per optimizer step (one micro-batch, bf16 gradients and activation
   for dispatch and combine, forward and backward (×4; ×6 with checkpointing, which recomputes the
   forward).
 
-Time estimate: bytes over the link the collective crosses — NVLink inside a node, the network across
-nodes (EP groups are consecutive ranks, so they stay inside a node when ep ≤ GPUs per node).
+Topology (``--topology``, :mod:`hf_hybrid_ep.topology`): ranks fill nodes of ``gpus_per_node`` GPUs
+and racks of ``nodes_per_rack`` nodes; EP groups are consecutive ranks, so an EP group lies inside a
+node when ep ≤ GPUs per node and spans ep / gpus_per_node whole nodes otherwise (a layout whose EP
+group would straddle a node boundary is left out). Bytes are split per GPU by the link they cross:
+
+* all-to-all: routed tokens go to each EP rank of the group with equal probability, so of the
+  ``k·B·S·H·2`` routed bytes a fraction ``(g−1)/ep`` stays inside the node (g: GPUs of the group on
+  one node), ``(ep_rack − g)/ep`` crosses nodes inside a rack, ``(ep − ep_rack)/ep`` crosses racks
+  (ep_rack: GPUs of the group in one rack);
+* all-reduces run hierarchically: reduce-scatter and all-gather inside the node
+  (``2·(g−1)/g · size`` over the intra-node link), then a ring over the N nodes on 1/g of the data
+  (``2·(N−1)/N · size/g`` over the network; it crosses racks when the group spans racks).
+
+Time estimate: per level, bytes / that level's bandwidth (GB/s per GPU); the levels of one
+collective are summed (NVLink, network and spine are used one after the other by a hierarchical
+collective), and the collectives of a step are summed (no overlap assumed).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,37 +56,12 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .checkpoint.layout import _from_config
 from .experts import check_shardable, expert_parameter_names
+from .topology import Topology, ep_group_layout
 
 KNOWN_CONFIGS = Path(__file__).resolve().parent / "known_configs"
 RECIPES = {"bf16-adamw": (2, 2, 12), "fp32-adamw": (4, 4, 8), "bf16-sgd": (2, 2, 4)}  # weights, grads, optimizer
 OPTIMIZER_SHARDINGS = ("none", "zero1")
 DENSE_SHARDINGS = ("replicate", "fsdp")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """GPUs per node and nodes per rack; link bandwidths in GB/s per GPU."""
-
-    gpus_per_node: int = 8
-    nodes_per_rack: int = 0  # 0: one rack
-    racks: int = 0
-    nvlink_gbps: float = 300.0
-    network_gbps: float = 25.0
-
-    @classmethod
-    def parse(cls, spec: str | None) -> Topology:
-        """``"gpus_per_node=8,nodes_per_rack=2,racks=2,nvlink_gbps=450,network_gbps=50"``."""
-        if not spec:
-            return cls()
-        values: dict[str, Any] = {}
-        for part in spec.split(","):
-            if not re.fullmatch(r"\w+=[\d.]+", part.strip()):
-                raise ValueError(f"topology item {part!r} must look like name=number")
-            name, value = part.strip().split("=")
-            if name not in cls.__dataclass_fields__:
-                raise ValueError(f"unknown topology key {name!r}; known: {sorted(cls.__dataclass_fields__)}")
-            values[name] = float(value) if "gbps" in name else int(value)
-        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -200,6 +188,10 @@ class LayoutPlan:
     a2a_bytes_per_step: int
     comm_bytes_per_step: int
     est_step_comm_s: float
+    ep_group: str = "intra_node"  # intra_node | hierarchical | cross_rack (topology.ep_group_layout)
+    comm_bytes_intra_node: int = 0  # per GPU per step, by the link level crossed
+    comm_bytes_inter_node: int = 0
+    comm_bytes_cross_rack: int = 0
 
 
 def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
@@ -224,12 +216,9 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
     expert_ar = 2 * (dp - 1) / dp * (m.expert_params / ep) * g if dp > 1 else 0
     routed = m.top_k * batch * seq * m.hidden * 2 * m.moe_layers
     a2a = routed * (ep - 1) / ep * 4
-    node_gpus = topo.gpus_per_node
-    multi_node = gpus > node_gpus
-    a2a_bw = topo.nvlink_gbps if ep <= node_gpus else topo.network_gbps
-    edp_bw = topo.network_gbps if multi_node and dp > 1 else topo.nvlink_gbps
-    world_bw = topo.network_gbps if multi_node else topo.nvlink_gbps
-    seconds = dense_ar / (world_bw * 1e9) + expert_ar / (edp_bw * 1e9) + a2a / (a2a_bw * 1e9)
+    split = _comm_split(gpus, dp, ep, topo, m.dense_params * g, m.expert_params / ep * g, routed * 4)
+    seconds = sum(split[level] / (topo.bandwidth(level) * 1e9) for level in split)
+    group = ep_group_layout(gpus, ep, topo).kind if _follows(gpus, ep, topo) else "straddles_nodes"
     return LayoutPlan(
         dp=dp, ep=ep, params_per_gpu=held, weight_bytes=rank0["weight_bytes"], grad_bytes=rank0["grad_bytes"],
         optimizer_bytes=rank0["optimizer_bytes"],
@@ -237,7 +226,43 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
         memory_per_gpu_checkpointed_bytes=state + act_ckpt, fits=state + act <= memory_bytes,
         fits_with_checkpointing=state + act_ckpt <= memory_bytes, allreduce_bytes_per_step=int(dense_ar + expert_ar),
         a2a_bytes_per_step=int(a2a), comm_bytes_per_step=int(dense_ar + expert_ar + a2a), est_step_comm_s=seconds,
+        ep_group=group, comm_bytes_intra_node=int(split["intra_node"]), comm_bytes_inter_node=int(split["inter_node"]),
+        comm_bytes_cross_rack=int(split["cross_rack"]),
     )
+
+
+def _ranks_per(topo: Topology, ranks: list[int]) -> tuple[int, int, int, int]:
+    """(ranks on one node, ranks in one rack, nodes, racks) of a group of global ranks (uniform groups)."""
+    nodes = {topo.node_of(r) for r in ranks}
+    racks = {topo.rack_of(r) for r in ranks}
+    return len(ranks) // len(nodes), len(ranks) // len(racks), len(nodes), len(racks)
+
+
+def _allreduce_split(topo: Topology, ranks: list[int], size: float) -> dict[str, float]:
+    """Per-GPU bytes of a hierarchical all-reduce of ``size`` bytes over ``ranks``, by link level."""
+    out = {"intra_node": 0.0, "inter_node": 0.0, "cross_rack": 0.0}
+    if len(ranks) < 2:
+        return out
+    g, _, nodes, racks = _ranks_per(topo, ranks)
+    out["intra_node"] = 2 * (g - 1) / g * size
+    if nodes > 1:
+        out["cross_rack" if racks > 1 else "inter_node"] = 2 * (nodes - 1) / nodes * size / g
+    return out
+
+
+def _comm_split(gpus: int, dp: int, ep: int, topo: Topology, dense_bytes: float, expert_bytes: float,
+                a2a_routed: float) -> dict[str, float]:
+    """Per-GPU bytes per step by link level: dense all-reduce over the world, expert all-reduce over an
+    EDP group (ranks ``{r + i·ep}``), all-to-all over an EP group (ranks ``0..ep−1``)."""
+    out = _allreduce_split(topo, list(range(gpus)), dense_bytes)
+    for level, b in _allreduce_split(topo, [i * ep for i in range(dp)], expert_bytes).items():
+        out[level] += b
+    if ep > 1:
+        g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
+        out["intra_node"] += a2a_routed * (g - 1) / ep
+        out["inter_node"] += a2a_routed * (in_rack - g) / ep
+        out["cross_rack"] += a2a_routed * (ep - in_rack) / ep
+    return out
 
 
 def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topology: str | None = None,
@@ -250,9 +275,11 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
     counts = count_parameters(config)
     topo = Topology.parse(topology)
     memory = int(gpu_memory_gb * 2**30)
+    topo.check_world(gpus)
     sharding = (optimizer_sharding, dense_sharding)
     layouts = [plan_layout(counts, gpus, gpus // ep, ep, memory, topo, micro_batch, seq_len, recipe, *sharding)
-               for ep in range(1, gpus + 1) if gpus % ep == 0 and counts.num_experts % ep == 0]
+               for ep in range(1, gpus + 1) if gpus % ep == 0 and counts.num_experts % ep == 0
+               and _follows(gpus, ep, topo)]
     fitting = [p for p in layouts if p.fits] or [p for p in layouts if p.fits_with_checkpointing]
     best = min(fitting, key=lambda p: (p.est_step_comm_s, p.memory_per_gpu_bytes), default=None)
     result: dict[str, Any] = {
@@ -267,6 +294,15 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
         result["advice"] = _advice(counts, gpus, gpu_memory_gb, memory, topo, micro_batch, seq_len, recipe, layouts,
                                    sharding)
     return result
+
+
+def _follows(gpus: int, ep: int, topo: Topology) -> bool:
+    """Whether EP groups of ``ep`` consecutive ranks lie inside a node or span whole nodes."""
+    try:
+        ep_group_layout(gpus, ep, topo)
+    except ValueError:
+        return False
+    return True
 
 
 def _advice(counts: ModelCounts, gpus: int, gpu_memory_gb: float, memory: int, topo: Topology, batch: int, seq: int,

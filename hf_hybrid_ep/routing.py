@@ -172,14 +172,18 @@ class LayerRouting:
     total: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [E] all steps, world totals
     aux_loss: torch.Tensor | None = None
 
+    coactivation: bool = False  # also count expert pairs chosen by the same token
+
     def __post_init__(self) -> None:
-        self.step = torch.zeros(self.num_experts + 4, dtype=torch.float64)
-        self.window = torch.zeros(self.num_experts + 4, dtype=torch.float64)
+        size = self.num_experts + 4 + (self.num_experts**2 if self.coactivation else 0)
+        self.step = torch.zeros(size, dtype=torch.float64)
+        self.window = torch.zeros(size, dtype=torch.float64)
         self.last_active_step = torch.zeros(self.num_experts, dtype=torch.long)
         self.total = torch.zeros(self.num_experts, dtype=torch.float64)
 
     # [0:E] tokens per expert, [E] dropped assignments, [E+1] kept assignments, [E+2] entropy sum,
-    # [E+3] router tokens
+    # [E+3] router tokens; with coactivation, [E+4 : E+4+E²] the pair counts C[a·E + b] (a < b) of
+    # tokens that chose both a and b (kept assignments only), reduced with the rest in one all-reduce
     # Counters stay on the device of the routing tensors (no host sync per layer); on_optimizer_step
     # moves them once per step.
     def _on(self, device: torch.device) -> torch.Tensor:
@@ -196,6 +200,24 @@ class LayerRouting:
         step[: self.num_experts] += torch.bincount(flat.clamp_min(0), weights=kept.double(), minlength=self.num_experts)
         step[self.num_experts] += dropped
         step[self.num_experts + 1] += kept.sum()
+        if self.coactivation and index.dim() >= 1 and index.shape[-1] > 1:
+            self._count_pairs(step, index.reshape(-1, index.shape[-1]))
+
+    def _count_pairs(self, step: torch.Tensor, index: torch.Tensor) -> None:
+        """Add the token's expert pairs (``a < b``, both kept) of ``index [T, k]`` to the E×E counter:
+        one bincount over ``T·k(k−1)/2`` keys, on the routing tensors' device."""
+        E, k = self.num_experts, index.shape[1]
+        first, second = torch.triu_indices(k, k, 1, device=index.device)
+        a, b = index[:, first], index[:, second]  # [T, k(k-1)/2]
+        valid = (a >= 0) & (b >= 0) & (a != b)
+        keys = (torch.minimum(a, b) * E + torch.maximum(a, b))[valid]
+        step[E + 4 :] += torch.bincount(keys, minlength=E * E).double()
+
+    def coactivation_matrix(self, counts: torch.Tensor) -> torch.Tensor:
+        """The symmetric ``[E, E]`` pair counts (zero diagonal) from a counter vector like ``window``."""
+        E = self.num_experts
+        upper = counts[E + 4 : E + 4 + E * E].view(E, E)
+        return upper + upper.T
 
     def count_entropy(self, logits: torch.Tensor) -> None:
         if _in_backward():
@@ -231,7 +253,8 @@ def install_router_controls(model: nn.Module, layers: list, config: HybridEPConf
     for layer in layers:
         found = find_router(model, layer.name, layer.num_experts)
         owner = torch.tensor([layer.table.holders(e)[0] for e in range(layer.num_experts)])
-        routing = LayerRouting(layer.num_experts, owner, layer.table.ep_degree)
+        routing = LayerRouting(layer.num_experts, owner, layer.table.ep_degree,
+                               coactivation=bool(config.coactivation_stats))
         if found is not None:
             routing.router_name, routing.router = found
             routing.top_k = int(found[1].top_k)
@@ -366,7 +389,7 @@ def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, me
     stacked = stacked.cpu()
     offset = 0
     for routing in routings:
-        n = routing.num_experts + 4
+        n = routing.step.numel()
         totals = stacked[offset : offset + n]
         offset += n
         loads = totals[: routing.num_experts]

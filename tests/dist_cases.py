@@ -38,9 +38,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def _global_inputs(model, world: int, seed: int) -> dict:
+def _global_inputs(model, world: int, seed: int, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return tiny_inputs(model, BATCH_PER_RANK * world, SEQ, g)
+    return tiny_inputs(model, BATCH_PER_RANK * world, seq, g)
+
+
+def _skew_routers(model, hot: list[int], bias: float) -> None:
+    """Make experts ``hot`` draw most tokens: raise their logits in every router's bias."""
+    from hf_hybrid_ep.routing import find_router
+
+    for name, module in hep.find_experts_modules(model):
+        router = find_router(model, name, module.num_experts)[1]
+        with torch.no_grad():
+            router.bias[hot] += bias
 
 
 def _rank_slice(inputs: dict, rank: int) -> dict:
@@ -114,31 +124,48 @@ def train_parity(
     expert_alignment: int = 1,
     optimizer_sharding: str = "none",
     dense_sharding: str = "replicate",
+    expert_cache_capacity: int | None = None,
+    skew: tuple[list[int], float] | None = None,
+    seq: int = SEQ,
+    load_from: str | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
     The reference trains the unsharded model on the global batch in fp32; an fp64 copy (experts via
     ``batched_mm``, as ``grouped_mm`` has no fp64 kernel) measures the round-off floor of that reference.
+    ``expert_cache_capacity`` turns hot-expert shadowing on (``routing_step`` after every optimizer step);
+    ``skew = (hot experts, bias)`` raises those experts' router bias in both models.
+    With ``load_from``, the hybrid model is loaded rank-locally from that checkpoint of the same
+    weights (``hf_hybrid_ep.from_pretrained``; its placement is the one stored in the index).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build(model_type, num_experts)
+    if skew is not None:
+        _skew_routers(model, *skew)
+        _skew_routers(ref, *skew)
     ref64 = copy.deepcopy(ref).double()
     ref64.set_experts_implementation("batched_mm")
     if dispatcher == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
-                                expert_alignment=expert_alignment, optimizer_sharding=optimizer_sharding,
+                                expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
+                                expert_cache_capacity=expert_cache_capacity or 1, optimizer_sharding=optimizer_sharding,
                                 dense_sharding=dense_sharding)
-    hep.parallelize(model, config)
+    if load_from is not None:
+        model = hep.from_pretrained(load_from, config)
+        model.set_attn_implementation(ref.config._attn_implementation)
+        model.train()
+    else:
+        hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
     opts = [hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)]
     opts += [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in (ref, ref64)]
     ref_grads = dict(ref.named_parameters())
-    loss_diffs, norm_diffs, norms, grad_diffs = [], [], [], []
+    loss_diffs, norm_diffs, norms, grad_diffs, shadow_steps = [], [], [], [], []
     for step in range(steps):
         for micro in range(accum):
-            batch = _global_inputs(ref, world, seed=1000 * step + micro)
+            batch = _global_inputs(ref, world, seed=1000 * step + micro, seq=seq)
             sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
             with sync:
                 loss = model(**_rank_slice(batch, rank)).loss
@@ -160,13 +187,25 @@ def train_parity(
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        if expert_cache_capacity is not None:
+            layers = hep.comm_stats(model)
+            shadow_steps.append({
+                key: sum(v["shadow"][key] for k, v in layers.items() if k != "gradient_reduction")
+                for key in ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received",
+                            "grad_bytes_sent", "token_bytes_avoided")
+            } | {"remote_rows_sent": sum(v["dispatch"]["remote_rows_sent"] for k, v in layers.items()
+                                         if k != "gradient_reduction")})
+            hep.reset_comm_stats(model)
+            hep.routing_step(model)
     return {
+        "shadow_steps": shadow_steps,
         "max_loss_rel": max(loss_diffs),
         "max_norm_rel": max(norm_diffs),
         "max_grad_rel_step0": max(grad_diffs),
         "clipped": any(n > max_norm for n in norms),
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
         "frozen_with_grad": frozen_with_grad,
+        "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
         **_compare_params(model, ref, ref64),
     }
 
@@ -742,3 +781,51 @@ def shared_overlap_equivalence(model_type: str) -> dict:
     state = hep.state_of(model)
     return {"equal": bool(torch.equal(la, lb)) and all(torch.equal(ga[n], gb[n]) for n in ga),
             "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}
+
+
+def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) -> dict:
+    """The stock Trainer on a skewed GPT-OSS (experts 0 and 2 draw nearly every token), with hot-expert
+    shadowing off or on: the Trainer's step-end callback (routing_step) must refresh the shadows."""
+    import trainer_cases as tc
+    from datasets import Dataset
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    torch.manual_seed(0)
+    model = build_tiny_model("gpt_oss", num_experts=4)
+    model.train()
+    _skew_routers(model, [0, 2], 4.0)
+    config = hep.HybridEPConfig(dp_degree=1, ep_degree=dist.get_world_size(), expert_cache=expert_cache,
+                                expert_cache_capacity=1)
+    hep.parallelize(model, config)
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, 100, (64, 32), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
+    trainer.train()
+    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    return {"losses": tc.losses(trainer), "shadows_held": sum(v["shadow"]["shadows_held"] for v in layers),
+            "rows_local": sum(v["shadow"]["rows_local"] for v in layers)}
+
+
+def save_and_reload_placement(directory: str, placement: list[list[int]]) -> dict:
+    """Save a model parallelized with ``placement``; reload it with no placement in the config."""
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=2, placement=placement))
+    save_hybrid_checkpoint(model, directory)
+    loaded = hep.from_pretrained(directory, hep.HybridEPConfig(dp_degree=1, ep_degree=2))
+    mine = dict(model.named_parameters())
+    equal = all(torch.equal(p, mine[n]) for n, p in loaded.named_parameters())
+    return {"reloaded": [list(r) for r in hep.state_of(loaded).layers[0].table.rows], "equal": equal}
+
+
+def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:
+    """Parallelize with a topology; report the layout and this rank's EP group."""
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, topology=topology))
+    mesh = hep.state_of(model).mesh
+    group = [mesh.global_rank(mesh.dp_rank, r) for r in range(mesh.ep_degree)]
+    return {"kind": mesh.layout.kind, "ep": mesh.ep_degree, "group": group,
+            "nodes": sorted({mesh.topology.node_of(g) for g in group})}

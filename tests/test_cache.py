@@ -78,3 +78,71 @@ def test_offloaded_decoding_equals_resident_decoding(policy):
     assert torch.equal(model.generate(ids, **kw).sequences, want.sequences)
     hep.resize_offload(model, 6)
     assert torch.equal(model.generate(ids, **kw).sequences, want.sequences)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "gpt_oss"])  # per-expert keys (rank files); fused tensors
+def converted(request, tmp_path_factory):
+    from checkpoint_fixtures import save_source
+
+    root = tmp_path_factory.mktemp(f"store-{request.param}")
+    source = save_source(request.param, root / "source", num_experts=8)
+    return hep.convert_checkpoint(source, root / "hybrid", ep_degree=2, progress=False)
+
+
+def _decode(model, ids):
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              attention_mask=torch.ones_like(ids))
+    return model.generate(ids, **kw)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_safetensors_store_decoding_equals_resident_decoding(converted, prefetch):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(converted).eval()
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    with torch.no_grad():  # the resident copies are not the store: zero them, so only the files can serve
+        for _, module in hep.find_experts_modules(model):
+            for p in module.parameters(recurse=False):
+                p.zero_()
+    hep.offload(model, capacity=3, policy="lru", store=converted, prefetch=prefetch)
+    assert isinstance(model._hybrid_ep_offload[0].store, hep.cache.SafetensorsStore)
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    got, want = _decode(model, ids), _decode(reference, ids)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):  # every decoding step
+        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+    stats = hep.cache_stats(model)
+    for i, layer in enumerate(stats.values()):
+        assert layer["evictions"] > 0 and layer["resident_experts"] <= layer["capacity"] == 3
+        if prefetch and i > 0:  # the first layer has no previous layer to predict it
+            assert layer["prefetched"] > 0 and layer["used"] > 0
+            assert 0.0 < layer["prefetch_recall"] <= 1.0
+        else:
+            assert layer["prefetched"] == 0 and layer["used"] == 0
+    hep.resize_offload(model, 2)  # down, then up, at run time: still the same tokens
+    assert torch.equal(_decode(model, ids).sequences, want.sequences)
+    assert all(layer["resident_experts"] <= 2 for layer in hep.cache_stats(model).values())
+    hep.resize_offload(model, 5)
+    assert torch.equal(_decode(model, ids).sequences, want.sequences)
+
+
+def test_safetensors_store_of_another_model_is_refused(converted, tmp_path):
+    model = build_tiny_model("mixtral", num_experts=8, hidden=32).eval()
+    with pytest.raises(hep.HybridEPConfigError, match="expert shape|has no tensor for"):
+        hep.offload(model, capacity=2, store=converted)
+
+
+def test_load_offloaded_never_holds_more_than_capacity_experts(converted):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(converted).eval()
+    model = hep.load_offloaded(converted, capacity=2, prefetch=True)  # meta build: dense read, experts stay on disk
+    for _, module in hep.find_experts_modules(model):
+        assert all(p.shape[0] == 2 for p in module.parameters(recurse=False))
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(2))
+    got, want = _decode(model, ids), _decode(reference, ids)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+    assert all(layer["evictions"] > 0 for layer in hep.cache_stats(model).values())

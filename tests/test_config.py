@@ -42,6 +42,8 @@ def test_bad_layouts_are_refused_naming_the_values(kwargs, world, experts, needl
         ({"dispatcher": "deepep"}, "dispatcher='deepep' is not available"),
         ({"placement": "striped"}, "placement='striped' is unknown"),
         ({"placement": [[0, "a"]]}, "must be a list of lists of integer expert ids"),
+        ({"expert_cache": "yes"}, "expert_cache='yes' must be true or false"),
+        ({"expert_cache_capacity": 0}, "expert_cache_capacity=0 must be a positive integer"),
     ],
 )
 def test_bad_values_are_refused_at_construction(kwargs, needle):
@@ -73,3 +75,10 @@ def test_env_twins(monkeypatch):
     monkeypatch.setenv("HF_HYBRID_EP_DP_DEGREE", "two")
     with pytest.raises(HybridEPConfigError, match="HF_HYBRID_EP_DP_DEGREE='two' is not an integer"):
         HybridEPConfig()
+
+
+def test_expert_cache_env_twins(monkeypatch):
+    monkeypatch.setenv("HF_HYBRID_EP_EXPERT_CACHE", "true")
+    monkeypatch.setenv("HF_HYBRID_EP_EXPERT_CACHE_CAPACITY", "3")
+    config = HybridEPConfig()
+    assert config.expert_cache is True and config.expert_cache_capacity == 3

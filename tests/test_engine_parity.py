@@ -146,3 +146,22 @@ def test_shared_expert_overlap_is_bit_identical(pools):
         assert r["calls"][0] == r["calls"][1], r  # computed once per forward, just earlier
     for r in pools(2).run(cases.shared_overlap_equivalence, "qwen2_moe"):  # shared expert runs first
         assert r["equal"] and r["after"] == [False, False] and r["calls"][0] == r["calls"][1], r
+
+
+@pytest.mark.parametrize(("layout", "capacity"), [((1, 4), 1), ((2, 2), 2)], ids=["1x4", "2x2"])
+def test_hot_expert_shadowing_is_faithful(pools, layout, capacity):
+    # Experts 0 and 2 draw nearly every token (router bias +4); after the first step each rank shadows
+    # the hot experts it does not own (the cost model's choice), computes its own tokens for them
+    # locally and returns the gradients to the owners before the expert reduction.
+    dp, ep = layout
+    results = pools(4).run(cases.train_parity, "gpt_oss", dp, ep, 4, expert_cache_capacity=capacity,
+                           skew=([0, 2], 4.0), seq=32)
+    _assert_faithful(results)
+    for rank, r in enumerate(results):
+        first, *later = r["shadow_steps"]
+        assert first["rows_local"] == 0 and first["shadows_held"] == 0, (rank, first)  # nothing known yet
+        for step in later:
+            assert 1 <= step["shadows_held"] <= capacity * 2, (rank, step)  # 2 layers
+            assert step["rows_local"] > 0 and step["net_bytes_saved"] > 0, (rank, step)
+            assert step["weight_bytes_received"] > 0 and step["grad_bytes_sent"] > 0, (rank, step)
+            assert step["remote_rows_sent"] < first["remote_rows_sent"], (rank, step, first)

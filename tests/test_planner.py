@@ -89,3 +89,23 @@ def test_sharded_bytes_follow_the_formula():
         m.dense_params + 2 * m.expert_params
     assert sum(rank_state_bytes(m, 2, 2, r, "fp32-adamw", "zero1")["optimizer_bytes"] for r in range(4)) == \
         8 * (m.dense_params + m.expert_params)
+
+
+def test_bytes_split_by_link_level_follow_the_topology():
+    # 4 GPUs, 2 per node, one node per rack (so the network hop between the nodes is cross-rack)
+    result = plan(TINY, gpus=4, gpu_memory_gb=1, topology="gpus_per_node=2,nodes_per_rack=1", seq_len=8)
+    D, X = result["model"]["dense_params"], result["model"]["expert_params"]
+    layouts = {(p["dp"], p["ep"]): p for p in result["layouts"]}
+    p = layouts[(2, 2)]
+    assert p["ep_group"] == "intra_node"
+    # dense all-reduce (2·D bf16 bytes) over both nodes, hierarchically: inside the node 2·(2−1)/2 · 2D = 2D,
+    # between the nodes 2·(2−1)/2 · 2D / 2 = D. Expert all-reduce (X/2 params × 2 B = X bytes) over the EDP
+    # group {0, 2} (one rank per node): 2·(2−1)/2 · X = X across. All-to-all inside the node: routed bytes
+    # k·B·S·H·2·layers = 2·1·8·64·2·2 = 4096, ×4 (dispatch/combine, fwd/bwd), half to the other rank: 8192.
+    assert p["comm_bytes_intra_node"] == 2 * D + 8192
+    assert p["comm_bytes_inter_node"] == 0
+    assert p["comm_bytes_cross_rack"] == D + X
+    q = layouts[(1, 4)]  # ep 4 > 2 GPUs per node: the EP group spans both nodes (and both racks)
+    assert q["ep_group"] == "cross_rack"
+    # all-to-all: 1/4 stays, 1/4 to the node's other rank, 2/4 to the other node: 16384·(1/4), 16384·(2/4)
+    assert q["comm_bytes_intra_node"] == 2 * D + 4096 and q["comm_bytes_cross_rack"] == D + 8192

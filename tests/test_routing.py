@@ -231,3 +231,34 @@ def test_least_used_experts_are_chosen_when_freezing_starts():
 def test_bad_router_settings(kwargs, needle):
     with pytest.raises(hep.HybridEPConfigError, match=needle):
         hep.HybridEPConfig(**kwargs)
+
+
+def test_coactivation_counts_every_pair_chosen_by_one_token():
+    model = _model(top_k=3)
+    reference = copy.deepcopy(model)
+    hep.parallelize(model, hep.HybridEPConfig(coactivation_stats=True))
+    ids = _ids()
+    with torch.no_grad():
+        model(input_ids=ids)
+        outs = _router_outputs(reference, ids)
+    hep.routing_step(model)
+    report = load_report(model)
+    for (_, _, index), layer in zip(outs, report.values(), strict=True):
+        want = [[0] * 4 for _ in range(4)]
+        for row in index.tolist():  # each token with experts {a, b, c} adds one to (a,b), (a,c), (b,c)
+            for i, a in enumerate(row):
+                for b in row[i + 1 :]:
+                    want[a][b] += 1
+                    want[b][a] += 1
+        assert layer["coactivation"] == want
+        assert sum(map(sum, want)) == 2 * 3 * 64  # 64 tokens × 3 pairs, counted both ways
+        # the pair counts add up to the loads: every assignment of e pairs with k−1 others
+        assert [sum(r) for r in want] == [2 * n for n in layer["tokens_per_expert"]]
+
+
+def test_coactivation_is_off_by_default():
+    model = _model()
+    hep.parallelize(model)
+    model(input_ids=_ids())
+    hep.routing_step(model)
+    assert all("coactivation" not in layer for layer in load_report(model).values())

@@ -7,13 +7,16 @@ import dist_cases as cases
 
 def test_metrics_and_biases_do_not_depend_on_the_layout(pools):
     pool = pools(4)
-    runs = {layout: pool.run(cases.routing_metrics, *layout, bias_update_rate=0.05) for layout in [(1, 4), (2, 2), (4, 1)]}
+    runs = {layout: pool.run(cases.routing_metrics, *layout, bias_update_rate=0.05, coactivation_stats=True)
+            for layout in [(1, 4), (2, 2), (4, 1)]}
     reference = runs[(4, 1)][0]
     for layout, results in runs.items():
         for r in results:
             for name, layer in r["report"].items():
                 want = reference["report"][name]
                 assert layer["tokens_per_expert"] == want["tokens_per_expert"], (layout, name)
+                assert layer["coactivation"] == want["coactivation"], (layout, name)
+                assert sum(map(sum, layer["coactivation"])) > 0
                 assert abs(layer["router_entropy"] - want["router_entropy"]) <= 1e-9 * want["router_entropy"]
             assert r["biases"] == reference["biases"], layout
 

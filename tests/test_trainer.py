@@ -82,3 +82,14 @@ def test_accelerate_save_state_load_state_at_another_ep_degree(pools, tmp_path):
         resumed = pool.run(cases.accelerate_loop, dp, ep, str(tmp_path / "state"), 4, 2, True)
         for r in resumed:
             assert _rel(r["losses"], full[0]["losses"][4:]) <= cases.REL_TOL, (ep, r["losses"], full[0]["losses"])
+
+
+def test_trainer_refreshes_hot_expert_shadows(pools, tmp_path):
+    pool = pools(2)
+    plain = pool.run(cases.trainer_shadow_run, str(tmp_path / "plain"), False)
+    shadowed = pool.run(cases.trainer_shadow_run, str(tmp_path / "shadowed"), True)
+    for a, b in zip(plain, shadowed, strict=True):
+        assert a["shadows_held"] == 0 and a["rows_local"] == 0
+        # refreshed after each of the 4 optimizer steps (2 layers, capacity 1; the last refresh goes unused)
+        assert b["shadows_held"] == 2 * 4 and b["rows_local"] > 0, b
+        assert _rel(b["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], b["losses"])

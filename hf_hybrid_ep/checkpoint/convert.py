@@ -174,7 +174,8 @@ def convert_checkpoint(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    ep_degree: int,
+    ep_degree: int | None = None,
+    placement: PlacementTable | list[list[int]] | None = None,
     dtype: str | None = None,
     revision: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -182,18 +183,24 @@ def convert_checkpoint(
 ) -> Path:
     """Convert a Hub repo or local checkpoint (or reshard a hybrid-EP one) for ``ep_degree`` EP ranks.
 
-    Per-expert keys go to one file per EP rank (contiguous placement, global expert ids in the keys);
-    fused ``[E, ...]`` expert tensors stay whole; dense tensors go to size-capped shards.
+    Per-expert keys go to one file per EP rank (global expert ids in the keys): the rank that holds
+    the expert under ``placement`` (a table, one row of expert ids per EP rank; default contiguous),
+    the first holder for a replicated expert (a key lives in one file; loading reads keys, not files,
+    so every holder finds it). Fused ``[E, ...]`` expert tensors stay whole; dense tensors go to
+    size-capped shards. The table is stored in the index (``metadata.hybrid_ep.placement``) and used
+    by :func:`hf_hybrid_ep.from_pretrained` when the config names no placement.
 
     Raises:
-        CheckpointError: before anything is written, naming the file or key at fault.
+        CheckpointError: before anything is written, naming the file or key at fault (also for a
+            placement that does not fit the model or disagrees with ``ep_degree``).
     """
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype] if dtype else None
     src_dir, source = resolve_source(src, revision)
     experts = model_experts(src_dir)
-    table = PlacementTable.contiguous(experts.num_experts, ep_degree)
+    table = _placement_table(placement, ep_degree, experts.num_experts)
+    ep_degree = table.ep_degree
     index = read_index(src_dir)
     if index.hybrid_ep is not None:
         source = index.hybrid_ep.source
@@ -201,7 +208,7 @@ def convert_checkpoint(
 
     def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
         roles = classify_keys(specs, experts.num_experts)
-        owner = {e: r for r, row in enumerate(table.rows) for e in row}
+        owner = {e: table.holders(e)[0] for e in range(experts.num_experts)}
         dense = [s for k, s in sorted(specs.items()) if roles[k].kind == "dense"]
         fused = [s for k, s in sorted(specs.items()) if roles[k].kind == "fused"]
         per_rank: dict[int, list[TensorSpec]] = {r: [] for r in range(ep_degree)}
@@ -238,6 +245,25 @@ def convert_checkpoint(
         write_index(tmp, weight_map, total, meta)
 
     return _rewrite(index, Path(out), plan, finish, torch_dtype, progress)
+
+
+def _placement_table(placement: PlacementTable | list[list[int]] | None, ep_degree: int | None,
+                     num_experts: int) -> PlacementTable:
+    from ..config import HybridEPConfigError
+
+    if placement is None:
+        if ep_degree is None:
+            raise CheckpointError("give an EP degree or a placement table to lay the experts out for")
+        return PlacementTable.contiguous(num_experts, ep_degree)  # HybridEPConfigError names the values
+    try:
+        table = placement if isinstance(placement, PlacementTable) else PlacementTable.from_rows(num_experts, placement)
+    except (HybridEPConfigError, TypeError, ValueError) as err:
+        raise CheckpointError(f"placement does not fit a model with {num_experts} experts: {err}") from err
+    if table.num_experts != num_experts:
+        raise CheckpointError(f"placement is for {table.num_experts} experts, the model has {num_experts}")
+    if ep_degree is not None and ep_degree != table.ep_degree:
+        raise CheckpointError(f"ep_degree={ep_degree} disagrees with the placement's {table.ep_degree} rows")
+    return table
 
 
 def export_checkpoint(

@@ -202,6 +202,47 @@ def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module) -> Non
     load_side_state(model, root)
 
 
+def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | None:
+    """The placement table stored in a hybrid-EP index (``metadata.hybrid_ep.placement``), else ``None``."""
+    index = Path(root) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        meta = (json.loads(index.read_text()).get("metadata") or {}).get("hybrid_ep") or {}
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err}") from err
+    rows = meta.get("placement")
+    return [list(map(int, row)) for row in rows] if rows else None
+
+
+def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[str]) -> HybridEPConfig:
+    """``config`` with the checkpoint's placement table when it names none and the EP degree fits."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    rows = checkpoint_placement(root)
+    if rows is None or isinstance(config.placement, list):
+        return config
+    E = max(e for row in rows for e in row) + 1
+    contiguous = len(rows) and E % len(rows) == 0 and rows == [
+        list(range(r * E // len(rows), (r + 1) * E // len(rows))) for r in range(len(rows))]
+    if contiguous:
+        return config
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if config.ep_degree is not None:
+        ep = config.ep_degree
+    elif config.dp_degree is not None:
+        ep = world // config.dp_degree
+    else:
+        ep = len(rows) if world % len(rows) == 0 else None
+    if ep != len(rows):
+        logger.warning("the checkpoint's placement table is for ep_degree=%d; loading at ep_degree=%s lays the "
+                       "experts out contiguously (reshard with --placement to keep a placement)", len(rows), ep)
+        return config
+    return dataclasses.replace(config, placement=rows)
+
+
 def from_pretrained(
     path: str | os.PathLike[str],
     config: HybridEPConfig | None = None,
@@ -213,7 +254,10 @@ def from_pretrained(
 
     ``path`` is a hybrid-EP or plain safetensors checkpoint directory, or a Hub repo id. The model is
     created with parameters on the meta device, sharded by :func:`hf_hybrid_ep.parallelize`, and then
-    filled from the checkpoint. Collective: call on every rank.
+    filled from the checkpoint. The placement table stored in a hybrid-EP index is used when the
+    config gives no explicit table (``placement="contiguous"``, the default) and the layout has its
+    EP degree; at another EP degree the experts are laid out contiguously (logged). Collective: call
+    on every rank.
     """
     from ..parallelize import parallelize
     from .convert import hub_metadata
@@ -230,6 +274,7 @@ def from_pretrained(
             return Path(hf_hub_download(source["repo_id"], name, revision=source["revision"]))
 
     hf_config = AutoConfig.from_pretrained(root)
+    config = with_checkpoint_placement(config or HybridEPConfig(), root)
     model = build_meta_model(hf_config)
     parallelize(model, config, materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch))
     load_side_state(model, root)

@@ -15,7 +15,8 @@ from .side_state import SIDE_FILE, save_side_state
 
 
 def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str]) -> Path:
-    """Write ``model`` as a hybrid-EP checkpoint laid out for its EP degree. Collective.
+    """Write ``model`` as a hybrid-EP checkpoint laid out for its EP degree and placement table (stored
+    in the index, so loading puts the same experts on the same ranks). Collective.
 
     The experts are gathered over each EP group; rank 0 writes a vanilla checkpoint to a temporary
     sibling, converts it (streaming) into a second one, and moves the files into ``output_dir``
@@ -32,7 +33,8 @@ def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str])
     model.save_pretrained(staging)  # collective: gathers experts, rank 0 writes
     if mesh.rank == 0:
         try:
-            convert_checkpoint(staging, converted, ep_degree=mesh.ep_degree, progress=False)
+            table = state_of(model).layers[0].table
+            convert_checkpoint(staging, converted, placement=table, progress=False)
             save_side_state(model, converted)
             _move_into(converted, output_dir)
         finally:

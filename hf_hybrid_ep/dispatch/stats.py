@@ -26,10 +26,40 @@ class PhaseCounters:
 
 
 @dataclass
+class ShadowCounters:
+    """What hot-expert shadowing (``HybridEPConfig.expert_cache``) kept off and put on the network.
+
+    ``rows_local``: routed (token, k) rows of this rank computed on a local shadow instead of crossing to
+    the owner; ``token_bytes_avoided``: their bytes in every exchange they skipped (dispatch and combine,
+    plus both backward exchanges when autograd records the forward). ``weight_bytes_*`` / ``grad_bytes_*``:
+    shadow weights fetched from owners after an optimizer step and shadow gradients returned to them;
+    ``control_bytes``: this rank's row of the shadow-mask all-gather, sent to each EP peer. ``shadows_held``: shadows held,
+    summed over refreshes.
+    """
+
+    refreshes: int = 0
+    shadows_held: int = 0
+    rows_local: int = 0
+    token_bytes_avoided: int = 0
+    weight_bytes_sent: int = 0
+    weight_bytes_received: int = 0
+    grad_bytes_sent: int = 0
+    grad_bytes_received: int = 0
+    control_bytes: int = 0
+
+    @property
+    def net_bytes_saved(self) -> int:
+        """Token bytes avoided minus the weight, gradient and control bytes this rank sent."""
+        return self.token_bytes_avoided - self.weight_bytes_sent - self.grad_bytes_sent - self.control_bytes
+
+
+@dataclass
 class CommStats:
-    """Per-layer counters of the token exchange, one :class:`PhaseCounters` per phase."""
+    """Per-layer counters of the token exchange, one :class:`PhaseCounters` per phase, and the shadow
+    counters of hot-expert shadowing."""
 
     phases: dict[str, PhaseCounters] = field(default_factory=lambda: {p: PhaseCounters() for p in PHASES})
+    shadow: ShadowCounters = field(default_factory=ShadowCounters)
 
     def record(
         self, phase: str, send_splits: list[int], recv_splits: list[int], self_index: int, row_bytes: int
@@ -50,6 +80,9 @@ class CommStats:
     def reset(self) -> None:
         for p in PHASES:
             self.phases[p] = PhaseCounters()
+        self.shadow = ShadowCounters()
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {p: asdict(c) for p, c in self.phases.items()}
+        out = {p: asdict(c) for p, c in self.phases.items()}
+        out["shadow"] = {**asdict(self.shadow), "net_bytes_saved": self.shadow.net_bytes_saved}
+        return out

@@ -24,6 +24,8 @@ class DispatchHandle:
         send_splits / recv_splits: rows sent to / received from each EP rank in the dispatch.
         num_tokens / top_k: the sender's ``T`` and ``k``.
         local_slot: ``[M]`` local slot of each received row.
+        num_shadow / shadow_slot: pairs kept on this rank for its shadows of remote experts (hot-expert
+            shadowing); in ``order`` they come after the sent pairs and before the dropped ones.
         work: the pending exchange of an asynchronous send.
     """
 
@@ -36,6 +38,8 @@ class DispatchHandle:
     local_slot: torch.Tensor | None = None
     recv_counts: torch.Tensor | None = None  # [ep * slots] rows received per (source rank, local slot)
     work: object | None = None
+    num_shadow: int = 0  # pairs computed on this rank's shadows (they follow the sent pairs in ``order``)
+    shadow_slot: torch.Tensor | None = None  # [num_shadow] shadow slot of each of those pairs
 
     def wait(self) -> None:
         """Complete an asynchronous token exchange started by ``send(..., async_op=True)``."""
@@ -63,41 +67,62 @@ class TorchDispatcher:
         self.stats = stats
 
     def dispatch(
-        self, hidden: torch.Tensor, top_k_index: torch.Tensor
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, shadow_slot_of: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send rows to their experts.
 
         Args:
             hidden: ``[T, H]`` token activations.
             top_k_index: ``[T, k]`` global expert ids; -1 marks a dropped assignment (never sent).
+            shadow_slot_of: ``[E]`` int64, this rank's shadow slot of each expert (-1: none); pairs for a
+                shadowed expert stay here (see :meth:`shadow_rows`) and are not sent.
 
         Returns:
             ``(rows [M, H], local_slot [M] int64, handle)`` where ``M`` rows arrived for this rank's slots.
         """
-        handle = self.plan(top_k_index)
+        handle = self.plan(top_k_index, shadow_slot_of)
         return self.send(hidden, handle), handle.local_slot, handle
 
-    def plan(self, top_k_index: torch.Tensor) -> DispatchHandle:
-        """Sort the (token, k) pairs by destination and exchange the per-slot counts (a small collective)."""
+    def plan(self, top_k_index: torch.Tensor, shadow_slot_of: torch.Tensor | None = None) -> DispatchHandle:
+        """Sort the (token, k) pairs by destination and exchange the per-slot counts (a small collective).
+
+        Sort keys: ``rank * slots + slot`` for sent pairs, then ``ep * slots`` for pairs kept for a local
+        shadow (``shadow_slot_of``), then ``ep * slots + 1`` for dropped pairs.
+        """
         num_tokens, top_k = top_k_index.shape
         ep, slots = self.table.ep_degree, self.table.slots_per_rank
         flat = top_k_index.reshape(-1).long()
         dest_rank, dest_slot = self.table.route(flat.clamp_min(0), self.ep_rank)
-        key = torch.where(flat >= 0, dest_rank * slots + dest_slot, ep * slots)
+        key = torch.where(flat >= 0, dest_rank * slots + dest_slot, ep * slots + 1)
+        if shadow_slot_of is not None:
+            shadowed = (flat >= 0) & (shadow_slot_of[flat.clamp_min(0)] >= 0)
+            key = torch.where(shadowed, ep * slots, key)
         key_sorted, order = torch.sort(key, stable=True)
-        send_counts = torch.bincount(key_sorted, minlength=ep * slots + 1)[: ep * slots]
+        counts = torch.bincount(key_sorted, minlength=ep * slots + 2)
+        send_counts = counts[: ep * slots]
         recv_counts = torch.empty_like(send_counts)
         if self.ep_group is None:
             recv_counts.copy_(send_counts)
         else:
             dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        splits = torch.cat([send_counts.view(ep, slots).sum(1), recv_counts.view(ep, slots).sum(1)]).tolist()
-        send_splits, recv_splits = splits[:ep], splits[ep:]
+        splits = torch.cat([send_counts.view(ep, slots).sum(1), recv_counts.view(ep, slots).sum(1),
+                            counts[ep * slots : ep * slots + 1]]).tolist()
+        send_splits, recv_splits, num_shadow = splits[:ep], splits[ep : 2 * ep], splits[2 * ep]
         slot_ids = torch.arange(slots, device=top_k_index.device).repeat(ep)
         local_slot = torch.repeat_interleave(slot_ids, recv_counts)
+        num_sent = sum(send_splits)
+        shadow_slot = None
+        if num_shadow:
+            shadow_slot = shadow_slot_of[flat[order[num_sent : num_sent + num_shadow]]]
         return DispatchHandle(
-            order, sum(send_splits), send_splits, recv_splits, num_tokens, top_k, local_slot, recv_counts
+            order, num_sent, send_splits, recv_splits, num_tokens, top_k, local_slot, recv_counts,
+            num_shadow=num_shadow, shadow_slot=shadow_slot,
         )
+
+    def shadow_rows(self, hidden: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """``[num_shadow, H]`` rows of the pairs kept for local shadows, in ``handle.shadow_slot`` order."""
+        start = handle.num_sent
+        return hidden[handle.order[start : start + handle.num_shadow] // handle.top_k]
 
     def send(self, hidden: torch.Tensor, handle: DispatchHandle, async_op: bool = False) -> torch.Tensor:
         """The token exchange of a planned dispatch. With ``async_op`` the returned rows are valid only
@@ -119,6 +144,7 @@ class TorchDispatcher:
         top_k_weights: torch.Tensor,
         handle: DispatchHandle,
         overlap_with: Callable[[], None] | None = None,
+        shadow_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return expert outputs to their tokens and weight them.
 
@@ -127,6 +153,7 @@ class TorchDispatcher:
             top_k_weights: ``[T, k]`` routing weights of the sender.
 
             overlap_with: work to run while the return exchange is in flight (e.g. the shared expert).
+            shadow_out: ``[num_shadow, H]`` outputs of this rank's shadows on :meth:`shadow_rows`.
 
         Returns:
             ``[T, H]`` = ``sum_k top_k_weights[t, k] * y[t, k]`` (summed in k order, like transformers).
@@ -145,6 +172,8 @@ class TorchDispatcher:
         if pending is not None:
             overlap_with()
             pending.wait()
+        if shadow_out is not None:
+            back = torch.cat([back, shadow_out.to(back.dtype)])
         return self._unpermute_combine(back, top_k_weights, handle)
 
     def run_experts(self, module, local_forward, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -159,7 +188,7 @@ class TorchDispatcher:
         return hidden[order[:num_sent] // top_k]
 
     def _unpermute_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        dropped = handle.order.numel() - handle.num_sent
+        dropped = handle.order.numel() - back.shape[0]
         if dropped:  # dropped pairs contribute zero: their rows sort last
             back = torch.cat([back, back.new_zeros((dropped, back.shape[1]))])
         inverse = torch.empty_like(handle.order)
