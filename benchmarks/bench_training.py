@@ -12,9 +12,10 @@ on two fabrics:
   to the other node crosses the shaped veth. Interface byte counters (``/sys/class/net``) measure both.
 
 Each run is a fresh set of processes (one per rank) under a per-process memory limit (``RLIMIT_DATA`` set
-to the process's data size after imports and process-group setup plus ``--mem-budget-mib``; default: one
-full replica's parameter + gradient + AdamW bytes, so a full replica, which also needs activations, does
-not fit). A run whose ranks fail to allocate is recorded as infeasible with the error.
+to the process's data size after imports and process-group setup plus ``--mem-budget-mib``; default: 4.5 ×
+one full replica's parameter bytes, i.e. its parameters + gradients + AdamW moments and half a replica more,
+so a full replica, which also needs gradient all-reduce buffers and activations, does not fit). A run whose
+ranks fail to allocate is recorded as infeasible with the error.
 
 Per run: samples/s and tokens/s (median over timed steps after warm-up), parameter / gradient / optimizer
 bytes per rank, peak RSS per rank, bytes handed to all-to-all and to the gradient collectives per step
@@ -49,6 +50,10 @@ from pathlib import Path
 from typing import Any
 
 PREFIX = "hbep-"  # every namespace and link this script creates starts with this
+# Default memory budget per rank, in units of one full replica's parameter bytes: its parameters, gradients and
+# two AdamW moments (4) plus half a replica for activations and communication buffers. A pure-DP rank needs the
+# 4 replicas of state plus its gradient all-reduce buffers and activations, so it does not fit.
+AUTO_BUDGET_REPLICAS = 4.5
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -357,6 +362,21 @@ def _small_thread_stacks() -> None:
     resource.setrlimit(resource.RLIMIT_STACK, (THREAD_STACK_BYTES, hard))
 
 
+def remove_stale_namespaces() -> list[str]:
+    """Delete namespaces this script left behind in an earlier run that was killed (``hbep-<pid>-…`` whose
+    process no longer exists). Never touches a name without the prefix or of a live process."""
+    removed = []
+    listing = _sh("ip", "netns", "list", check=False).stdout.split()
+    for name in listing:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _sh("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
 def run_layout(spec: RunSpec, fabric: Fabric, ckpt: str, step: StepArgs, world: int, workdir: str) -> dict:
     """Train ``spec`` on ``fabric`` with ``world`` fresh processes; return the merged per-run record."""
     out = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=workdir))
@@ -370,6 +390,10 @@ def run_layout(spec: RunSpec, fabric: Fabric, ckpt: str, step: StepArgs, world: 
             "RANK": str(rank), "LOCAL_RANK": str(rank % fabric.ranks_per_node), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(fabric.ranks_per_node), "MASTER_ADDR": fabric.master_addr(),
             "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            # glibc serves every block of 128 KiB or more by mmap and unmaps it on free (its initial setting,
+            # made fixed), so the data size that RLIMIT_DATA limits follows the live tensors rather than the
+            # heap's high-water mark. Same for every run; it costs some page faults per step.
+            "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])),
         } | fabric.env(rank)
         cmd = [*fabric.prefix(rank), sys.executable, str(Path(__file__).resolve()), "--worker", str(out / "job.json")]
@@ -480,14 +504,13 @@ def _vm_data() -> int:
 
 
 def _counters() -> dict[str, int]:
-    """Bytes on this namespace's interfaces named in HBEP_COUNTERS (``dev:kind,...``), tx + rx."""
+    """Bytes sent on this namespace's interfaces named in HBEP_COUNTERS (``dev:kind,...``). Summed over the
+    nodes, every byte that crossed a link is counted once (what one end sends, the other receives)."""
     out: dict[str, int] = {}
     for item in filter(None, os.environ.get("HBEP_COUNTERS", "").split(",")):
         dev, kind = item.split(":")
         base = Path("/sys/class/net") / dev / "statistics"
         value = int((base / "tx_bytes").read_text())
-        if dev != "lo":  # on loopback every byte is both sent and received: count it once
-            value += int((base / "rx_bytes").read_text())
         out[kind] = out.get(kind, 0) + value
     return out
 
@@ -928,8 +951,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inter-node-gbit", type=float, default=1.0)
     parser.add_argument("--inter-node-latency-ms", type=float, default=0.5)
     parser.add_argument("--mem-budget-mib", default="auto",
-                        help="RLIMIT_DATA above the post-setup data size; 'auto' = one full replica's "
-                             "parameter + gradient + AdamW bytes; 'none' = no limit")
+                        help="RLIMIT_DATA above the post-setup data size; 'auto' = 4.5 × one full replica's "
+                             "parameter bytes (its params + grads + AdamW state, plus half for activations); "
+                             "'none' = no limit")
     parser.add_argument("--batch-per-rank", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=None)
@@ -943,8 +967,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args = ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)})
     sizes = model_bytes(model_args)
     budget = (None if args.mem_budget_mib == "none" else
-              4 * sizes["total_bytes"] if args.mem_budget_mib == "auto" else int(float(args.mem_budget_mib) * 2**20))
-    steps = args.steps or (4 if args.quick else 10)
+              AUTO_BUDGET_REPLICAS * sizes["total_bytes"] if args.mem_budget_mib == "auto"
+              else int(float(args.mem_budget_mib) * 2**20))
+    steps = args.steps or (3 if args.quick else 8)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     step = StepArgs(batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, warmup=warmup, steps=steps,
                     mem_budget_bytes=budget)
@@ -958,6 +983,11 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"runs": [], "machine": machine_info(), "model": dataclasses.asdict(model_args) | sizes,
                               "step": dataclasses.asdict(step), "fabrics": {}}
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the namespaces are removed
+    if os.geteuid() == 0 and shutil.which("ip"):
+        stale = remove_stale_namespaces()
+        if stale:
+            print(f"removed stale namespaces of earlier killed runs: {stale}")
     workdir = tempfile.mkdtemp(prefix=PREFIX)
     try:
         ckpt = str(Path(workdir) / "ckpt")
