@@ -556,7 +556,8 @@ class CollectiveMeter:
                 self.a2a_intra += b
             else:
                 self.a2a_inter += b
-        self.by_op["all_to_all"] += sum(int(n) for n in splits) * row_bytes * times
+        self.by_op["all_to_all"] += sum(int(n) for peer, n in zip(ranks, splits, strict=True) if peer != self.rank) \
+            * row_bytes * times
 
     def install(self) -> None:
         import torch
@@ -967,7 +968,7 @@ def main(argv: list[str] | None = None) -> None:
     model_args = ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)})
     sizes = model_bytes(model_args)
     budget = (None if args.mem_budget_mib == "none" else
-              AUTO_BUDGET_REPLICAS * sizes["total_bytes"] if args.mem_budget_mib == "auto"
+              int(AUTO_BUDGET_REPLICAS * sizes["total_bytes"]) if args.mem_budget_mib == "auto"
               else int(float(args.mem_budget_mib) * 2**20))
     steps = args.steps or (3 if args.quick else 8)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
