@@ -439,6 +439,7 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
     if not ok:
         bad = oom[0] if oom else next(r for r in ranks if r.get("status") != "ok")
         rec["error"] = f"rank {bad.get('rank')}: {bad.get('error')}"
+        rec["traceback_tail"] = (bad.get("traceback") or "")[-1500:]
         rec["failed_phase"] = bad.get("phase")
         for key in ("samples_per_s", "tokens_per_s", "comm_fraction", "a2a_bytes_per_step", "allreduce_bytes_per_step",
                     "inter_node_bytes_per_step"):
