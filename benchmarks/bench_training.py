@@ -134,6 +134,7 @@ class StepArgs:
     steps: int = 5
     lr: float = 1e-4
     max_grad_norm: float = 1.0
+    grad_accum: int = 1
     mem_budget_bytes: int | None = None
     ranks_per_node: int = 4
     run_timeout_s: float = 900.0
@@ -450,7 +451,7 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
         rec["peak_rss_bytes_per_rank"] = max(rss) if rss else None
         return rec
     step_s = statistics.median(max(r["step_times"][i] for r in ranks) for i in range(len(ranks[0]["step_times"])))
-    samples = len(ranks) * step.batch_per_rank  # every rank reads its own micro-batch, in every layout
+    samples = len(ranks) * step.batch_per_rank * step.grad_accum  # every rank reads its own micro-batches
     mean = lambda key: sum(r[key] for r in ranks) / len(ranks)  # noqa: E731
     node_leads = [r for r in ranks if r.get("counters")]
     wire = defaultdict(int)
@@ -614,7 +615,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def _build(spec: dict, ckpt: str, step: dict, notes: list[str]):
-    """→ (model, optimizer, clip(model) callable)."""
+    """→ (model, optimizer, clip() callable, no_sync() context factory for gradient-accumulation steps)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -626,14 +627,15 @@ def _build(spec: dict, ckpt: str, step: dict, notes: list[str]):
         model = hep.from_pretrained(ckpt, cfg)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=step["lr"])
-        return model, opt, lambda: hep.clip_grad_norm_(model, step["max_grad_norm"])
+        return model, opt, lambda: hep.clip_grad_norm_(model, step["max_grad_norm"]), lambda: hep.no_sync(model)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=step["lr"])
-        return model, opt, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), step["max_grad_norm"])
+        return (model, opt, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), step["max_grad_norm"]),
+                model.no_sync)
     if engine == "hf-native":
         from transformers.distributed import DistributedConfig
 
@@ -642,7 +644,19 @@ def _build(spec: dict, ckpt: str, step: dict, notes: list[str]):
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=step["lr"], foreach=False)
 
-        return model, opt, lambda: _clip_mixed_meshes(model, step["max_grad_norm"])
+
+        @contextlib.contextmanager
+        def no_sync():  # FSDP2: skip reduce-scatter / all-reduce of gradients on this backward
+            modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+            for m in modules:
+                m.set_requires_gradient_sync(False, recurse=False)
+            try:
+                yield
+            finally:
+                for m in modules:
+                    m.set_requires_gradient_sync(True, recurse=False)
+
+        return model, opt, lambda: _clip_mixed_meshes(model, step["max_grad_norm"]), no_sync
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -700,16 +714,18 @@ def worker(job_path: str) -> None:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
             rec["mem_limit_bytes"] = step["mem_budget_bytes"]
         rec["phase"] = "load"
-        model, opt, clip = _build(spec, ckpt, step, rec["notes"])
+        model, opt, clip, no_sync = _build(spec, ckpt, step, rec["notes"])
         rec["param_bytes"] = _nbytes(model.parameters())
         g = torch.Generator().manual_seed(1234 + rank)
         vocab = model.config.vocab_size if hasattr(model, "config") else model.module.config.vocab_size
         n_batches = step["warmup"] + step["steps"] + 1
-        batches = [torch.randint(0, vocab, (step["batch_per_rank"], step["seq_len"]), generator=g)
+        batches = [torch.randint(0, vocab, (step["grad_accum"], step["batch_per_rank"], step["seq_len"]), generator=g)
                    for _ in range(n_batches)]
 
-        def train_step(ids, zero: bool = True) -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
+        def train_step(micro_batches, zero: bool = True) -> None:
+            for j, ids in enumerate(micro_batches):  # gradients synchronized on the last micro-batch only
+                with no_sync() if j < len(micro_batches) - 1 else contextlib.nullcontext():
+                    (model(input_ids=ids, labels=ids).loss / len(micro_batches)).backward()
             peak.append(_vm_data())
             clip()
             opt.step()
@@ -958,6 +974,8 @@ def main(argv: list[str] | None = None) -> None:
                              "'none' = no limit")
     parser.add_argument("--batch-per-rank", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per optimizer step (gradients synchronized once per step)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     for f in dataclasses.fields(ModelArgs):
@@ -974,7 +992,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (3 if args.quick else 8)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     step = StepArgs(batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, warmup=warmup, steps=steps,
-                    mem_budget_bytes=budget)
+                    grad_accum=args.grad_accum, mem_budget_bytes=budget)
     specs = default_runs(args.world)
     if args.runs:
         wanted = args.runs.split(",")

@@ -25,7 +25,8 @@ def test_bench_training_run_layout_flat(tmp_path):
     sizes = bench.model_bytes(model_args)
     ckpt = str(tmp_path / "ckpt")
     bench.save_checkpoint(model_args, ckpt)
-    step = bench.StepArgs(batch_per_rank=2, seq_len=16, warmup=1, steps=2, ranks_per_node=2, run_timeout_s=240)
+    step = bench.StepArgs(batch_per_rank=2, seq_len=16, warmup=1, steps=2, grad_accum=2, ranks_per_node=2,
+                          run_timeout_s=240)
     spec = bench.RunSpec("ep2", "hybrid", 1, 2)
     with bench.FlatFabric(2, netns=False) as fabric:
         rec = bench.run_layout(spec, fabric, ckpt, step, 2, str(tmp_path))
