@@ -686,7 +686,7 @@ def worker(job_path: str) -> None:
     rec: dict[str, Any] = {"rank": rank, "status": "ok", "phase": "setup", "notes": []}
 
     def finish(code: int) -> None:
-        rec["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rec.setdefault("peak_rss_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         tmp = out / f"rank{rank}.json.tmp"
         tmp.write_text(json.dumps(rec))
         tmp.rename(out / f"rank{rank}.json")
@@ -764,14 +764,19 @@ def worker(job_path: str) -> None:
                 "allreduce_dense_bytes_per_step": red["dense_bytes"] // step["steps"],
                 "allreduce_expert_bytes_per_step": red["expert_bytes"] // step["steps"],
             }
-        # one profiled step: time with a gloo collective in flight, and where the rest goes
+        # one profiled step: time with a gloo collective in flight, and where the rest goes. Memory figures are
+        # taken before it, and the limit lifted for it: the profiler's own event records are not training.
         from torch.profiler import ProfilerActivity, profile, record_function
 
+        rec["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak_data = rec["peak_data_above_setup"]
+        resource.setrlimit(resource.RLIMIT_DATA, resource.getrlimit(resource.RLIMIT_DATA)[1:] * 2)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             with record_function("bench_step"):
                 train_step(batches[-1], zero=False)
                 dist.barrier()
+        rec["peak_data_above_setup"] = peak_data
         rec.update(_comm_profile(prof))
         rec["grad_bytes"] = _nbytes(p.grad for p in model.parameters() if p.grad is not None)
         rec["optimizer_bytes"] = _nbytes(t for s in opt.state.values() for t in s.values()
