@@ -990,6 +990,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args.worker)
         return
+    needs_root = "two-node" in args.fabrics.split(",") or not args.no_netns
+    if needs_root and (os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc")):
+        parser.error("the two-node fabric and the flat fabric's private namespace need root with `ip` and `tc`; "
+                     "without them use --fabrics flat --no-netns")
     model_args = ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)})
     sizes = model_bytes(model_args)
     budget = (None if args.mem_budget_mib == "none" else
