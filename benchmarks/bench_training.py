@@ -478,6 +478,9 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
                                             for k in sorted({k for r in ranks for k in r["bytes_by_op"]})},
         "inter_node_bytes_per_step": round(inter / steps) if inter is not None else None,
         "intra_node_wire_bytes_per_step": round(wire["intra"] / steps) if node_leads else None,
+        # cross-node wire bytes not explained by token rows: gradient / parameter collectives, counts, framing
+        "inter_node_non_a2a_wire_bytes_per_step": (round((inter - sum(r["a2a_inter_bytes"] for r in ranks)) / steps)
+                                                   if inter is not None else None),
         "comm_fraction": max(r["comm_fraction"] for r in ranks),
         "comm_seconds_by_op": ranks[0]["comm_seconds_by_op"],
         "profiled_step_s": ranks[0]["profiled_step_s"],
