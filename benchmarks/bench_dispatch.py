@@ -1,8 +1,10 @@
 """The expert path side by side: this library's EP path vs transformers' grouped_mm and eager.
 
-CPU (always): one process, a tiny-but-not-trivial Qwen3-MoE layer stack; forward + backward time of
+CPU (always): one process. (1) A tiny-but-not-trivial Qwen3-MoE layer stack; forward + backward time of
 our EP path (world of one: the exchange is the identity, the permute/combine glue and the grouped GEMM
 run), transformers' ``grouped_mm`` and ``eager`` experts implementations — as ratios in one run.
+(2) One MoE block (router + experts) alone at the shape of ``bench_training.py``'s model, forward and
+forward + backward, same three paths.
 CUDA (when a GPU is present): permute and unpermute-combine GB/s of the Triton kernels and of the
 torch path for T = 16k tokens, H = 4096, k = 8, E = 64, against a measured device-to-device copy.
 
@@ -63,6 +65,52 @@ def cpu_comparison(repeat: int) -> dict:
     return {name: {"seconds": t, "ratio_vs_grouped_mm": t / base_t} for name, t in medians.items()}
 
 
+def cpu_layer_comparison(repeat: int, tokens: int = 512, hidden: int = 512, experts: int = 16, width: int = 512,
+                         top_k: int = 2) -> dict:
+    """One MoE block (router + experts) alone, at the shape of ``bench_training.py``'s model: forward, and
+    forward + backward (input and weight gradients), per expert path. Same weights, same input."""
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
+                            moe_intermediate_size=width, num_hidden_layers=1, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=hidden // 8, num_experts=experts,
+                            num_experts_per_tok=top_k, norm_topk_prob=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    x = torch.randn(1, tokens, hidden)
+    blocks = {}
+    for impl in ("grouped_mm", "eager"):
+        m = copy.deepcopy(base)
+        m.set_experts_implementation(impl)
+        blocks[f"transformers {impl}"] = m.model.layers[0].mlp
+    ours = hep.parallelize(copy.deepcopy(base), hep.HybridEPConfig(dispatcher="torch"))
+    blocks["hf_hybrid_ep EP path (torch dispatcher)"] = ours.model.layers[0].mlp
+
+    def fwd(block):
+        def run():
+            with torch.no_grad():
+                block(x)
+        return run
+
+    def fwd_bwd(block):
+        def run():
+            block.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out = block(xi)
+            out = out[0] if isinstance(out, tuple) else out
+            out.square().mean().backward()
+        return run
+
+    report = {"shape": {"tokens": tokens, "hidden": hidden, "experts": experts, "expert_width": width, "top_k": top_k}}
+    for label, make in (("forward", fwd), ("forward_backward", fwd_bwd)):
+        rounds = {name: [] for name in blocks}
+        for _ in range(repeat):
+            for name, block in blocks.items():
+                rounds[name].append(_time(make(block), 1))
+        medians = {name: statistics.median(ts) for name, ts in rounds.items()}
+        base_t = medians["transformers grouped_mm"]
+        report[label] = {name: {"seconds": t, "ratio_vs_grouped_mm": t / base_t} for name, t in medians.items()}
+    return report
+
+
 def cuda_bandwidth() -> dict:
     from hf_hybrid_ep.dispatch.triton_kernels import fused_permute, fused_unpermute_combine
 
@@ -107,7 +155,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench_dispatch.json")
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    report = {"cpu": cpu_comparison(args.repeat)}
+    report = {"cpu": cpu_comparison(args.repeat), "cpu_layer": cpu_layer_comparison(args.repeat)}
     if torch.cuda.is_available():
         report["cuda"] = cuda_bandwidth()
     with open(args.json, "w") as f:
@@ -116,6 +164,14 @@ def main() -> None:
     print("|---|---|---|")
     for name, r in report["cpu"].items():
         print(f"| {name} | {r['seconds']:.4f} | {r['ratio_vs_grouped_mm']:.2f} |")
+    layer = report["cpu_layer"]
+    print(f"\none MoE block alone, {layer['shape']}:")
+    print("| expert path (one MoE block, CPU) | forward s | vs grouped_mm | forward + backward s | vs grouped_mm |")
+    print("|---|---|---|---|---|")
+    for name in layer["forward"]:
+        f, fb = layer["forward"][name], layer["forward_backward"][name]
+        print(f"| {name} | {f['seconds']:.4f} | {f['ratio_vs_grouped_mm']:.2f} | {fb['seconds']:.4f} | "
+              f"{fb['ratio_vs_grouped_mm']:.2f} |")
     if "cuda" in report:
         print(f"\n{report['cuda']['device']}: " + ", ".join(
             f"{k} {v['GB_per_s']:.0f} GB/s" for k, v in report["cuda"].items() if isinstance(v, dict) and "GB_per_s" in v))
