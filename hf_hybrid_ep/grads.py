@@ -81,6 +81,7 @@ class GradientReducer:
         # A zero.ZeroSharding once a sharded optimizer exists: reduce-scatter instead of all-reduce.
         self.sharding = None
         self._queued = False
+        self._whole: dict[tuple[int, int], bool] = {}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for p in self.parameters()
@@ -136,17 +137,33 @@ class GradientReducer:
             entries = [(p, idx) for p, idx in bucket.entries if p.requires_grad]
             if not entries:
                 continue
-            flat = torch.cat([p.grad[idx].reshape(-1) for p, idx in entries])
+            # Slots covering a whole parameter (the usual case) are read and written without an index copy;
+            # a bucket of one such parameter is reduced in place, with no copy at all.
+            rows = [p.grad if self._all_slots(p, idx) else p.grad[idx] for p, idx in entries]
+            in_place = len(entries) == 1 and rows[0] is entries[0][0].grad and rows[0].is_contiguous()
+            flat = rows[0].view(-1) if in_place else torch.cat([r.reshape(-1) for r in rows])
             if bucket.group is not None:
                 dist.all_reduce(flat, group=bucket.group)
                 self.stats.expert_bytes += flat.numel() * flat.element_size()
             flat.div_(world)
+            if in_place:
+                continue
             offset = 0
-            for p, idx in entries:
-                rows = p.grad[idx]
-                p.grad[idx] = flat[offset : offset + rows.numel()].view_as(rows)
-                offset += rows.numel()
+            for (p, idx), r in zip(entries, rows, strict=True):
+                part = flat[offset : offset + r.numel()].view_as(r)
+                if r is p.grad:
+                    p.grad.copy_(part)
+                else:
+                    p.grad[idx] = part
+                offset += r.numel()
         self.stats.reductions += 1
+
+    def _all_slots(self, p: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Whether local slot indices ``idx`` are every slot of ``p`` in order (cached per bucket entry)."""
+        key = (id(p), id(idx))
+        if key not in self._whole:
+            self._whole[key] = idx.numel() == p.shape[0] and bool((idx.cpu() == torch.arange(p.shape[0])).all())
+        return self._whole[key]
 
     def _count_sharded(self) -> None:
         for b in self.sharding.buckets:
@@ -185,23 +202,25 @@ class GradientReducer:
         """The norm of the full model's gradient (each expert counted once), identical on every rank."""
         device = current_device(self.mesh)  # NCCL reduces device tensors only
         replicated, partial = self._norm_terms()
+        # Per-tensor (per-slot) norms in the gradient's dtype, like torch.nn.utils.clip_grad_norm_, combined
+        # in float64: no float64 copy of any gradient.
         if norm_type == math.inf:
-            local = [g.abs().max().float().to(device) for g in replicated if g.numel()]
-            local += [g.abs().amax().float().to(device) for g, _ in partial if g.numel()]
+            local = [torch.linalg.vector_norm(g, math.inf).float().to(device) for g in replicated if g.numel()]
+            local += [torch.linalg.vector_norm(g, math.inf).float().to(device) for g, _ in partial if g.numel()]
             total = torch.stack(local).max() if local else torch.zeros((), device=device)
             if self.mesh.world_group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
             return total
         dense_sum = torch.zeros((), dtype=torch.float64, device=device)
         for g in replicated:
-            dense_sum += g.double().abs().pow(norm_type).sum().to(device)
+            dense_sum += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type).to(device)
         partial_sum = torch.zeros((), dtype=torch.float64, device=device)
         for g, weight in partial:
             if weight is None:
-                partial_sum += g.double().abs().pow(norm_type).sum().to(device)
-            else:
-                per_slot = g.double().abs().pow(norm_type).reshape(g.shape[0], -1).sum(1)
-                partial_sum += (per_slot * weight.to(per_slot.device)).sum().to(device)
+                partial_sum += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type).to(device)
+            elif g.numel():
+                per_slot = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1).double()
+                partial_sum += (per_slot.pow(norm_type) * weight.to(per_slot.device)).sum().to(device)
         if self.mesh.world_group is not None:
             dist.all_reduce(partial_sum, group=self.mesh.world_group)
         return (dense_sum + partial_sum).pow(1.0 / norm_type).float()
