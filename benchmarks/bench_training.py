@@ -91,6 +91,11 @@ def default_runs(world: int) -> list[RunSpec]:
     runs += [RunSpec(f"hybrid-dp{world // ep}-ep{ep}", "hybrid", world // ep, ep)
              for ep in range(2, world) if world % ep == 0]
     runs.append(RunSpec(f"ep{world}", "hybrid", 1, world))
+    # Memory scaling (issue 11): ZeRO-1 optimizer state, and FSDP2 dense weights on top of it.
+    runs += [RunSpec(f"hybrid-dp2-ep{world // 2}-zero1", "hybrid", 2, world // 2, {"optimizer_sharding": "zero1"}),
+             RunSpec(f"ep{world}-zero1", "hybrid", 1, world, {"optimizer_sharding": "zero1"}),
+             RunSpec(f"hybrid-dp2-ep{world // 2}-fsdp-zero1", "hybrid", 2, world // 2,
+                     {"optimizer_sharding": "zero1", "dense_sharding": "fsdp"})]
     runs.append(RunSpec(f"hf-native-fsdp{world}-ep{world}", "hf-native", world, world,
                         {"fsdp_size": world, "ep_size": world}))
     if world % 2 == 0 and world >= 4:  # HSDP: replicated across the two nodes, FSDP + EP inside a node
@@ -629,7 +634,7 @@ def _build(spec: dict, ckpt: str, step: dict, notes: list[str]):
         cfg = hep.HybridEPConfig(dp_degree=spec["dp"], ep_degree=spec["ep"], **spec["config"])
         model = hep.from_pretrained(ckpt, cfg)
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=step["lr"])
+        opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=step["lr"])  # zero1 when configured
         return model, opt, lambda: hep.clip_grad_norm_(model, step["max_grad_norm"]), lambda: hep.no_sync(model)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -718,7 +723,7 @@ def worker(job_path: str) -> None:
             rec["mem_limit_bytes"] = step["mem_budget_bytes"]
         rec["phase"] = "load"
         model, opt, clip, no_sync = _build(spec, ckpt, step, rec["notes"])
-        rec["param_bytes"] = _nbytes(model.parameters())
+        rec["param_bytes"] = _nbytes(model.parameters())  # FSDP: this rank's shard
         g = torch.Generator().manual_seed(1234 + rank)
         vocab = model.config.vocab_size if hasattr(model, "config") else model.module.config.vocab_size
         n_batches = step["warmup"] + step["steps"] + 1
@@ -867,6 +872,8 @@ def check_param_formula(runs: list[dict], sizes: dict[str, int]) -> list[str]:
     failures = []
     for r in runs:
         if r["engine"] != "hybrid" or not r.get("param_bytes_each_rank"):
+            continue
+        if r.get("config", {}).get("dense_sharding") == "fsdp":  # dense sharded: not dense + experts/ep
             continue
         want = sizes["dense_bytes"] + sizes["expert_bytes"] // r["ep"]
         r["param_bytes_formula_ok"] = all(b == want for b in r["param_bytes_each_rank"])
