@@ -93,7 +93,6 @@ def default_runs(world: int) -> list[RunSpec]:
     runs.append(RunSpec(f"ep{world}", "hybrid", 1, world))
     # Memory scaling (issue 11): ZeRO-1 optimizer state, and FSDP2 dense weights on top of it.
     runs += [RunSpec(f"hybrid-dp2-ep{world // 2}-zero1", "hybrid", 2, world // 2, {"optimizer_sharding": "zero1"}),
-             RunSpec(f"ep{world}-zero1", "hybrid", 1, world, {"optimizer_sharding": "zero1"}),
              RunSpec(f"hybrid-dp2-ep{world // 2}-fsdp-zero1", "hybrid", 2, world // 2,
                      {"optimizer_sharding": "zero1", "dense_sharding": "fsdp"})]
     runs.append(RunSpec(f"hf-native-fsdp{world}-ep{world}", "hf-native", world, world,

@@ -123,3 +123,18 @@ def current_device(mesh: HybridMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` = the group's ``inp`` tensors concatenated in rank order (``all_gather_single`` where this
+    torch has it, ``all_gather_into_tensor`` otherwise; looked up per call, so wrappers such as the
+    benchmarks' byte meters see it)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp.contiguous(), group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` = this rank's chunk of the group-wide sum of ``inp`` (``reduce_scatter_single`` where this torch
+    has it, ``reduce_scatter_tensor`` otherwise; looked up per call)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, inp, group=group)

@@ -32,7 +32,7 @@ from torch import nn
 
 from .config import HybridEPConfigError
 from .dispatch.stats import ShadowCounters
-from .mesh import HybridMesh, current_device
+from .mesh import HybridMesh, all_gather_flat, current_device
 
 EXCHANGES_PER_ROW = 4  # dispatch, combine, dispatch_backward, combine_backward
 
@@ -134,7 +134,7 @@ class ShadowManager:
             for e in self.choose(i):
                 mine[i, e] = 1
         masks = torch.empty(mesh.ep_degree * mine.shape[0], mine.shape[1], dtype=mine.dtype, device=device)
-        _all_gather(masks, mine, mesh.ep_group)
+        all_gather_flat(masks, mine, mesh.ep_group)
         masks = masks.view(mesh.ep_degree, *mine.shape).cpu()
         row_bytes = mine.shape[1] * mine.element_size() * (mesh.ep_degree - 1)  # one layer's row, to each peer
         for i, layer in enumerate(self.layers):
@@ -231,8 +231,3 @@ class ShadowManager:
 
 def _grad_row(shadow: nn.Parameter, slot: int) -> torch.Tensor:
     return shadow.grad[slot] if shadow.grad is not None else torch.zeros_like(shadow[slot])
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp.contiguous(), group=group)

@@ -36,9 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.13 renamed the flat collectives (the old names warn); gloo implements both (equal shard sizes).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .mesh import all_gather_flat, reduce_scatter_flat
 
 CHUNK_BYTES = 64 * 2**20  # per rank and collective: the temporary buffers hold group_size × this
 
@@ -210,7 +208,7 @@ class ZeroSharding:
                 for j in range(b.size):
                     b.read(j * b.shard + c0, j * b.shard + c1, inp[j * n : (j + 1) * n], grads=True)
                 out = torch.empty(n, dtype=dtype, device=device)
-                _reduce_scatter(out, inp, group=b.group)
+                reduce_scatter_flat(out, inp, b.group)
                 out.div_(world_size)
                 b.write(base + c0, out, grads=True)
             self._attach_grads(b)
@@ -247,7 +245,7 @@ class ZeroSharding:
                 mine = torch.empty(n, dtype=dtype, device=device)
                 b.read(base + c0, base + c1, mine, grads=False)
                 full = torch.empty(b.size * n, dtype=dtype, device=device)
-                _all_gather(full, mine, group=b.group)
+                all_gather_flat(full, mine, b.group)
                 for j in range(b.size):
                     if j != b.index:
                         b.write(j * b.shard + c0, full[j * n : (j + 1) * n], grads=False)
@@ -288,7 +286,7 @@ class ZeroSharding:
                 if b.group is None:
                     full.copy_(mine)
                 else:
-                    _all_gather(full, mine, group=b.group)
+                    all_gather_flat(full, mine, b.group)
                 for piece in b.pieces:
                     t = tensors.setdefault(id(piece.param), {}).get(key)
                     if t is None:
