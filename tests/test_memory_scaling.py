@@ -137,3 +137,11 @@ def test_accelerate_loop_with_zero1_resumes_unsharded(pools, tmp_path):
 def test_fsdp_is_refused_where_ddp_wraps_the_model(pools, tmp_path):
     for r in pools(2).run(cases.fsdp_under_accelerate):
         assert "dense_sharding='fsdp'" in r["message"], r
+
+
+def test_zero1_with_hot_expert_shadowing(pools):
+    # Shadow gradients return to their owners in the reducer's pre-reduce hook, before the reduce-scatter.
+    results = pools(4).run(cases.train_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1",
+                           expert_cache_capacity=2, skew=([0, 2], 4.0), seq=32)
+    _assert_faithful(results)
+    assert all(sum(s["rows_local"] for s in r["shadow_steps"]) > 0 for r in results), results
