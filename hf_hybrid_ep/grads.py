@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from .mesh import HybridMesh, current_device
+from .mesh import HybridMesh, current_device, is_dtensor
 
 DENSE_BUCKET_BYTES = 64 * 2**20
 
@@ -85,7 +85,7 @@ class GradientReducer:
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for p in self.parameters()
-            if p.requires_grad and not _is_dtensor(p)  # FSDP2 reduces (and assigns) its own gradients
+            if p.requires_grad and not is_dtensor(p)  # FSDP2 reduces (and assigns) its own gradients
         ]
 
     def parameters(self) -> list[nn.Parameter]:
@@ -115,7 +115,7 @@ class GradientReducer:
     def reduce(self) -> None:
         """Reduce all gradients now (called automatically at the end of ``backward``)."""
         for p in self.parameters():
-            if p.requires_grad and p.grad is None and not _is_dtensor(p):
+            if p.requires_grad and p.grad is None and not is_dtensor(p):
                 p.grad = torch.zeros_like(p)
         for hook in self.pre_reduce_hooks:
             hook()
@@ -188,7 +188,7 @@ class GradientReducer:
         for p in self.dense:
             if p.grad is None or id(p) in sharded:
                 continue
-            if _is_dtensor(p.grad):
+            if is_dtensor(p.grad):
                 partial.append((p.grad.to_local(), None))
             else:
                 replicated.append(p.grad)
@@ -229,12 +229,6 @@ class GradientReducer:
         """The gradients the optimizer will read (shard views under zero1, local shards under FSDP)."""
         replicated, partial = self._norm_terms()
         return replicated + [g for g, _ in partial]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _buckets_by_size(params: list[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:

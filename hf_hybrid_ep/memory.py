@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .mesh import local_tensor
 from .parallelize import state_of
 
 logger = logging.getLogger("hf_hybrid_ep")
@@ -25,14 +26,8 @@ logger = logging.getLogger("hf_hybrid_ep")
 STATE_TENSORS = {"Adam": 2, "AdamW": 2, "SGD": 1}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -73,7 +68,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         return report
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     tensors = _optimizer_tensors(optimizer)
-    report["state_elements"] = sum(_local(t).numel() for t in tensors)
+    report["state_elements"] = sum(local_tensor(t).numel() for t in tensors)
     measured = [v for t in tensors for v in optimizer.state.get(t, {}).values() if torch.is_tensor(v) and v.dim() > 0]
     if measured:
         report["optimizer_bytes"] = sum(_nbytes(v) for v in measured)

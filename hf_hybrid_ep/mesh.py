@@ -138,3 +138,15 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.Proces
     has it, ``reduce_scatter_tensor`` otherwise; looked up per call)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(out, inp, group=group)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2-sharded parameter or gradient under ``dense_sharding="fsdp"``)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor``; any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t

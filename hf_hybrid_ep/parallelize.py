@@ -13,8 +13,8 @@ from torch import nn
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
 from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
-from .grads import ExpertBucket, GradientReducer, _is_dtensor
-from .mesh import HybridMesh, build_mesh, current_device, default_device_type
+from .grads import ExpertBucket, GradientReducer
+from .mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .shadow import ShadowManager
 
@@ -243,7 +243,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective over each EP group: call on every rank.
     """
     state = state_of(model)
-    full = {k: v.full_tensor() if _is_dtensor(v) else v for k, v in model.state_dict().items()}  # FSDP2
+    full = {k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()}  # FSDP2
     for layer in state.layers:
         for pname in layer.param_names:
             full[f"{layer.name}.{pname}"] = layer.gather_full(pname)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .mesh import all_gather_flat, reduce_scatter_flat
+from .mesh import all_gather_flat, is_dtensor, reduce_scatter_flat
 
 CHUNK_BYTES = 64 * 2**20  # per rank and collective: the temporary buffers hold group_size × this
 
@@ -153,7 +153,7 @@ class ZeroSharding:
         self.mesh = mesh
         self.buckets: list[FlatBucket] = []
         world = tuple(range(mesh.world_size))
-        dense = [p for p in reducer.dense if p.requires_grad and not _is_dtensor(p)]
+        dense = [p for p in reducer.dense if p.requires_grad and not is_dtensor(p)]
         for dtype in sorted({p.dtype for p in dense}, key=str):
             pieces = [(p, 0, p.numel()) for p in dense if p.dtype == dtype]
             bucket = _bucket(world, mesh.world_group, mesh.rank, pieces)
@@ -336,12 +336,6 @@ def _first_nonempty(value, b: FlatBucket):
     gathered: list = [None] * b.size
     dist.all_gather_object(gathered, value, group=b.group)
     return next((v for v in gathered if v), value)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 class ShardedOptimizer:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..mesh import is_dtensor
 from ..parallelize import state_of
 from ..zero import ShardedOptimizer
 
@@ -46,9 +47,7 @@ def _model_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
 
 
 def _refuse_dtensors(model: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         raise NotImplementedError(
             "optimizer-state checkpoints of dense_sharding='fsdp' models are not supported yet; "
             "use torch.distributed.checkpoint for the FSDP2 part"
