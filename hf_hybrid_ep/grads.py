@@ -71,6 +71,8 @@ class GradientReducer:
         self.buckets = buckets
         self.expert_norm_weights = expert_norm_weights
         self.reduce_dense = reduce_dense
+        # Dense gradients are averaged over this group (the world); a test swaps it to inject a fault.
+        self.dense_group, self.dense_group_size = mesh.world_group, mesh.world_size
         self.enabled = True
         # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
         self.sync_predicate: Callable[[], bool] | None = None
@@ -129,8 +131,8 @@ class GradientReducer:
             for bucket in _buckets_by_size([p for p in self.dense if p.requires_grad], DENSE_BUCKET_BYTES):
                 grads = [p.grad for p in bucket]
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.mesh.world_group)
-                flat.div_(world)
+                dist.all_reduce(flat, group=self.dense_group)
+                flat.div_(self.dense_group_size)
                 _unflatten_into(flat, grads)
                 self.stats.dense_bytes += flat.numel() * flat.element_size()
         for bucket in self.buckets:

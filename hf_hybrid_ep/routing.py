@@ -226,7 +226,7 @@ class LayerRouting:
         with torch.no_grad():
             logp = F.log_softmax(logits.float(), dim=-1)
             entropy = -(logp.exp() * logp).sum(-1)
-        step[self.num_experts + 2] += entropy.sum().double()
+        step[self.num_experts + 2] += entropy.double().sum()
         step[self.num_experts + 3] += entropy.numel()
 
     def selection_adjust(self, device: torch.device) -> torch.Tensor | None:

@@ -32,6 +32,15 @@ class _Pools:
             pool.close()
 
 
+@pytest.fixture(autouse=True)
+def _parity_case_name(request):
+    """Tell the parity criterion which test it is checking (for HEP_PARITY_FIGURES)."""
+    import parity
+
+    parity.CURRENT_CASE = request.node.nodeid
+    yield
+
+
 @pytest.fixture(scope="session")
 def pools():
     """``pools(W)`` → a live :class:`WorkerPool` of ``W`` ranks (created once per session)."""

@@ -12,6 +12,7 @@ import copy
 import math
 import os
 
+import parity
 import torch
 import torch.distributed as dist
 from tiny_models import SkipModel, build_tiny_model, tiny_inputs
@@ -20,8 +21,7 @@ import hf_hybrid_ep as hep
 
 BATCH_PER_RANK = 2
 SEQ = 8
-# Per-tensor tolerance of the parity tests (fp32): ‖a − b‖ / ‖b‖.
-REL_TOL = 1e-5
+REL_TOL = parity.REL_TOL  # the criterion and its rule: tests/parity.py
 # Adam's default eps=1e-8 turns gradient elements of ~1e-8 into sign-like steps. Such elements are sums
 # of cancelling contributions (fp32 round-off ~1e-9), or whole tensors whose true gradient is identically
 # zero (k_proj.bias under softmax shift invariance): their updates are then set by round-off alone, and
@@ -32,10 +32,7 @@ ADAM_EPS = 1e-6
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ (0 when both are zero)."""
-    num = (a.double() - b.double()).norm().item()
-    den = b.double().norm().item()
-    return num / den if den > 0 else num
+    return parity.rel(a, b)
 
 
 def _global_inputs(model, world: int, seed: int, seq: int = SEQ) -> dict:
@@ -73,33 +70,13 @@ def _local_view(model, tensor_of_ref, p):
     return tensor_of_ref
 
 
-def _compare_params(model, ref, ref64=None) -> dict:
-    """Per-tensor relative differences between this rank's parameters and the fp32 reference's.
-
-    With an fp64 reference, a tensor further than ``REL_TOL`` from the fp32 reference still counts as
-    equal when the hybrid result is at least as close to the fp64 result as the fp32 reference is
-    (Adam normalises every element, so a zero-initialised bias is made only of updates whose fp32
-    round-off differs between two correct summation orders).
-    """
+def _compare_params(model, ref, measured_names=None, spread_of=None, step_budget=None) -> dict:
+    """The ``final_params`` check of :mod:`parity` on this rank's parameters (local expert slots against the
+    reference's same slots; FSDP2-sharded weights assembled whole)."""
     ref_params = dict(ref.named_parameters())
-    ref64_params = dict(ref64.named_parameters()) if ref64 is not None else {}
-    worst, worst_name, violations, floor_cases = 0.0, "", [], []
-    for name, p in model.named_parameters():
-        r = _local_view(model, ref_params[name].detach(), p)
-        mine = _full(p.detach())
-        rel = _rel(mine, r)
-        if rel > worst:
-            worst, worst_name = rel, name
-        if rel <= REL_TOL:
-            continue
-        if name in ref64_params:
-            r64 = _local_view(model, ref64_params[name].detach(), p)
-            hybrid_err, ref_err = _rel(mine.double(), r64), _rel(r.double(), r64)
-            if hybrid_err <= max(REL_TOL, ref_err):
-                floor_cases.append((name, rel, hybrid_err, ref_err))
-                continue
-        violations.append((name, rel))
-    return {"max_param_rel": worst, "worst_param": worst_name, "violations": violations, "floor_cases": floor_cases}
+    triples = ((name, _full(p.detach()), _local_view(model, ref_params[name].detach(), p))
+               for name, p in model.named_parameters())
+    return parity.compare_params(triples, measured_names, spread_of, step_budget)
 
 
 def _build(model_type: str, num_experts: int, top_k: int = 2):
@@ -128,23 +105,27 @@ def train_parity(
     skew: tuple[list[int], float] | None = None,
     seq: int = SEQ,
     load_from: str | None = None,
+    fault: str | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
-    The reference trains the unsharded model on the global batch in fp32; an fp64 copy (experts via
-    ``batched_mm``, as ``grouped_mm`` has no fp64 kernel) measures the round-off floor of that reference.
-    ``expert_cache_capacity`` turns hot-expert shadowing on (``routing_step`` after every optimizer step);
-    ``skew = (hot experts, bias)`` raises those experts' router bias in both models.
-    With ``load_from``, the hybrid model is loaded rank-locally from that checkpoint of the same
-    weights (``hf_hybrid_ep.from_pretrained``; its placement is the one stored in the index).
+    The reference trains the unsharded model on the global batch in fp32; the checks and the measured
+    bound of zero-initialised tensors are :mod:`parity`'s. ``expert_cache_capacity`` turns hot-expert
+    shadowing on (``routing_step`` after every optimizer step); ``skew = (hot experts, bias)`` raises
+    those experts' router bias in both models. With ``load_from``, the hybrid model is loaded
+    rank-locally from that checkpoint of the same weights (``hf_hybrid_ep.from_pretrained``; its
+    placement is the one stored in the index). ``fault`` injects one of :data:`faults.FAULTS` into the
+    hybrid run (undone when the case returns), to show that the criterion catches it.
     """
+    import faults
+
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build(model_type, num_experts)
     if skew is not None:
         _skew_routers(model, *skew)
         _skew_routers(ref, *skew)
-    ref64 = copy.deepcopy(ref).double()
-    ref64.set_experts_implementation("batched_mm")
+    initial = copy.deepcopy(ref)
+    measured_names = parity.zero_initialised(initial)
     if dispatcher == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
@@ -159,44 +140,43 @@ def train_parity(
         hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
-    opts = [hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)]
-    opts += [torch.optim.AdamW(m.parameters(), lr=lr, eps=ADAM_EPS) for m in (ref, ref64)]
+    ref_optimizer = lambda params: torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS)  # noqa: E731
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
+    ref_opt = ref_optimizer(ref.parameters())
     ref_grads = dict(ref.named_parameters())
+    batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
+               for step in range(steps)]
     loss_diffs, norm_diffs, norms, grad_diffs, shadow_steps = [], [], [], [], []
-    for step in range(steps):
-        for micro in range(accum):
-            batch = _global_inputs(ref, world, seed=1000 * step + micro, seq=seq)
-            sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
-            with sync:
-                loss = model(**_rank_slice(batch, rank)).loss
-                (loss / accum).backward()
-            ref_loss = ref(**batch).loss
-            (ref_loss / accum).backward()
-            (ref64(**batch).loss / accum).backward()
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-        if step == 0:
-            grad_diffs = _grad_diffs(model, ref_grads)
-            frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
-        norm = hep.clip_grad_norm_(model, max_norm)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        torch.nn.utils.clip_grad_norm_(ref64.parameters(), max_norm)
-        norms.append(ref_norm.item())
-        norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        if expert_cache_capacity is not None:
-            layers = hep.comm_stats(model)
-            shadow_steps.append({
-                key: sum(v["shadow"][key] for k, v in layers.items() if k != "gradient_reduction")
-                for key in ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received",
-                            "grad_bytes_sent", "token_bytes_avoided")
-            } | {"remote_rows_sent": sum(v["dispatch"]["remote_rows_sent"] for k, v in layers.items()
-                                         if k != "gradient_reduction")})
-            hep.reset_comm_stats(model)
-            hep.routing_step(model)
+    with faults.injected(fault, model):
+        for step in range(steps):
+            for micro, batch in enumerate(batches[step]):
+                sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
+                with sync:
+                    loss = model(**_rank_slice(batch, rank)).loss
+                    (loss / accum).backward()
+                ref_loss = ref(**batch).loss
+                (ref_loss / accum).backward()
+                mean_loss = loss.detach().clone()
+                dist.all_reduce(mean_loss)
+                loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+            if step == 0:
+                grad_diffs = _grad_diffs(model, ref_grads)
+                frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+            norm = hep.clip_grad_norm_(model, max_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            norms.append(ref_norm.item())
+            norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            if expert_cache_capacity is not None:
+                shadow_steps.append(_shadow_step_counters(model))
+                hep.reset_comm_stats(model)
+                hep.routing_step(model)
+    params = dict(model.named_parameters())
+    view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
+    spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
+                                                     view)
     return {
         "shadow_steps": shadow_steps,
         "max_loss_rel": max(loss_diffs),
@@ -206,8 +186,18 @@ def train_parity(
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
         "frozen_with_grad": frozen_with_grad,
         "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
-        **_compare_params(model, ref, ref64),
+        "zero_initialised": sorted(measured_names),
+        **_compare_params(model, ref, measured_names, spread_of, step_budget=2 * steps * lr),
     }
+
+
+def _shadow_step_counters(model) -> dict:
+    """Hot-expert shadowing counters of one optimizer step, summed over the MoE layers."""
+    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    keys = ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received", "grad_bytes_sent",
+            "token_bytes_avoided")
+    return {key: sum(v["shadow"][key] for v in layers) for key in keys} | {
+        "remote_rows_sent": sum(v["dispatch"]["remote_rows_sent"] for v in layers)}
 
 
 def _grad_diffs(model, ref_params: dict) -> list[float]:

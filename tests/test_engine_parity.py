@@ -7,6 +7,7 @@ real transformers models; the reference is the unsharded model trained on the gl
 from __future__ import annotations
 
 import dist_cases as cases
+import parity
 import pytest
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
@@ -18,26 +19,17 @@ LAYOUTS = [
 ]
 
 
-def _assert_faithful(results: list[dict]) -> None:
-    for rank, r in enumerate(results):
-        assert r["max_loss_rel"] <= cases.REL_TOL, (rank, r)
-        assert r["max_norm_rel"] <= cases.REL_TOL, (rank, r)
-        assert r["max_grad_rel_step0"] <= cases.REL_TOL, (rank, r)
-        assert r["violations"] == [], (rank, r)
-        assert r["clipped"], "max_norm must be small enough for clipping to act"
-
-
 @pytest.mark.parametrize(("world", "layout", "experts"), LAYOUTS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_parity(pools, family, world, layout, experts):
     dp, ep = layout
-    _assert_faithful(pools(world).run(cases.train_parity, family, dp, ep, experts))
+    parity.assert_faithful(pools(world).run(cases.train_parity, family, dp, ep, experts))
 
 
 def test_frozen_parameters_are_left_alone(pools):
     # ERNIE-4.5 keeps a frozen correction bias (gate.moe_statics) in parameters().
     results = pools(2).run(cases.train_parity, "ernie4_5_moe", 1, 2, 4)
-    _assert_faithful(results)
+    parity.assert_faithful(results)
     for r in results:
         assert any("moe_statics" in name for name in r["frozen"]), r["frozen"]
         assert r["frozen_with_grad"] == []
@@ -49,12 +41,12 @@ def test_frozen_parameters_are_left_alone(pools):
     ids=["permutation", "replicas"],
 )
 def test_non_contiguous_placement(pools, placement):
-    _assert_faithful(pools(2).run(cases.train_parity, "qwen3_moe", 1, 2, 4, placement=placement))
+    parity.assert_faithful(pools(2).run(cases.train_parity, "qwen3_moe", 1, 2, 4, placement=placement))
 
 
 def test_non_contiguous_placement_with_dp(pools):
     placement = [[3, 0], [1, 2]]
-    _assert_faithful(pools(4).run(cases.train_parity, "mixtral", 2, 2, 4, placement=placement))
+    parity.assert_faithful(pools(4).run(cases.train_parity, "mixtral", 2, 2, 4, placement=placement))
 
 
 def test_all_tokens_to_one_expert(pools):
@@ -110,7 +102,7 @@ def test_rank_dependent_control_flow_is_reported_not_hung(pools):
 
 
 def test_gradient_checkpointing_recomputes_the_exchange(pools):
-    _assert_faithful(pools(2).run(cases.train_parity, "mixtral", 1, 2, 4, gradient_checkpointing=True))
+    parity.assert_faithful(pools(2).run(cases.train_parity, "mixtral", 1, 2, 4, gradient_checkpointing=True))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
@@ -156,7 +148,7 @@ def test_hot_expert_shadowing_is_faithful(pools, layout, capacity):
     dp, ep = layout
     results = pools(4).run(cases.train_parity, "gpt_oss", dp, ep, 4, expert_cache_capacity=capacity,
                            skew=([0, 2], 4.0), seq=32)
-    _assert_faithful(results)
+    parity.assert_faithful(results)
     for rank, r in enumerate(results):
         first, *later = r["shadow_steps"]
         assert first["rows_local"] == 0 and first["shadows_held"] == 0, (rank, first)  # nothing known yet

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import dist_cases as cases
+import parity
 import pytest
 
 from hf_hybrid_ep import HybridEPConfig, HybridEPConfigError
@@ -15,39 +16,30 @@ from hf_hybrid_ep.memory import measure
 LAYOUTS_4 = [(4, 1), (2, 2), (1, 4)]
 
 
-def _assert_faithful(results: list[dict]) -> None:
-    for rank, r in enumerate(results):
-        assert r["max_loss_rel"] <= cases.REL_TOL, (rank, r)
-        assert r["max_norm_rel"] <= cases.REL_TOL, (rank, r)
-        assert r["max_grad_rel_step0"] <= cases.REL_TOL, (rank, r)
-        assert r["violations"] == [], (rank, r)
-        assert r["clipped"], "max_norm must be small enough for clipping to act"
-
-
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=str)
 def test_zero1_equals_the_unsharded_reference(pools, layout):
     # 3 AdamW steps, accumulation 2, clipping by the global norm, vs one process on the global batch.
-    _assert_faithful(pools(4).run(cases.train_parity, "mixtral", *layout, 4, optimizer_sharding="zero1"))
+    parity.assert_faithful(pools(4).run(cases.train_parity, "mixtral", *layout, 4, optimizer_sharding="zero1"))
 
 
 def test_zero1_with_biased_transposed_experts(pools):
-    _assert_faithful(pools(4).run(cases.train_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1"))
+    parity.assert_faithful(pools(4).run(cases.train_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1"))
 
 
 def test_zero1_with_expert_replicas(pools):
     # Replicated experts form buckets held by several EP ranks: sharded over all their holders.
     placement = [[0, 1, 2], [2, 3, 0]]
-    _assert_faithful(pools(2).run(cases.train_parity, "qwen3_moe", 1, 2, 4, placement=placement,
+    parity.assert_faithful(pools(2).run(cases.train_parity, "qwen3_moe", 1, 2, 4, placement=placement,
                                   optimizer_sharding="zero1"))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=str)
 def test_fsdp_dense_equals_the_unsharded_reference(pools, layout):
-    _assert_faithful(pools(4).run(cases.train_parity, "mixtral", *layout, 4, dense_sharding="fsdp"))
+    parity.assert_faithful(pools(4).run(cases.train_parity, "mixtral", *layout, 4, dense_sharding="fsdp"))
 
 
 def test_fsdp_dense_with_zero1_experts(pools):
-    _assert_faithful(pools(4).run(cases.train_parity, "qwen3_moe", 2, 2, 4, optimizer_sharding="zero1",
+    parity.assert_faithful(pools(4).run(cases.train_parity, "qwen3_moe", 2, 2, 4, optimizer_sharding="zero1",
                                   dense_sharding="fsdp"))
 
 
@@ -143,5 +135,5 @@ def test_zero1_with_hot_expert_shadowing(pools):
     # Shadow gradients return to their owners in the reducer's pre-reduce hook, before the reduce-scatter.
     results = pools(4).run(cases.train_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1",
                            expert_cache_capacity=2, skew=([0, 2], 4.0), seq=32)
-    _assert_faithful(results)
+    parity.assert_faithful(results)
     assert all(sum(s["rows_local"] for s in r["shadow_steps"]) > 0 for r in results), results

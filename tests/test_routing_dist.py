@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dist_cases as cases
+import parity
 
 
 def test_metrics_and_biases_do_not_depend_on_the_layout(pools):
@@ -17,7 +18,10 @@ def test_metrics_and_biases_do_not_depend_on_the_layout(pools):
                 assert layer["tokens_per_expert"] == want["tokens_per_expert"], (layout, name)
                 assert layer["coactivation"] == want["coactivation"], (layout, name)
                 assert sum(map(sum, layer["coactivation"])) > 0
-                assert abs(layer["router_entropy"] - want["router_entropy"]) <= 1e-9 * want["router_entropy"]
+                # Loads are integers and equal exactly; the entropy, like the loss, is a mean over tokens of an
+                # fp32 function of router inputs that differ by round-off between layouts (the previous layer's
+                # experts run in other groupings), so it is held to the parity criterion's loss bound.
+                assert abs(layer["router_entropy"] - want["router_entropy"]) <= parity.REL_TOL * want["router_entropy"]
             assert r["biases"] == reference["biases"], layout
 
 

@@ -37,16 +37,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs: mp.Queue, results: mp.Queue, sys_path: list[str]) -> None:
+def threads_per_worker() -> int:
+    """Intra-op threads of every worker: ``OMP_NUM_THREADS`` (``make test`` sets 1), else 1."""
+    raw = os.environ.get("OMP_NUM_THREADS", "1")
+    try:
+        threads = int(raw)
+    except ValueError:
+        raise ValueError(f"OMP_NUM_THREADS={raw!r} is not a positive integer") from None
+    if threads < 1:
+        raise ValueError(f"OMP_NUM_THREADS={raw!r} is not a positive integer")
+    return threads
+
+
+def _worker(rank: int, world: int, port: int, jobs: mp.Queue, results: mp.Queue, sys_path: list[str],
+            threads: int) -> None:
     sys.path[:] = sys_path
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads),
     )
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)
     )
@@ -74,7 +87,7 @@ class WorkerPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, self._jobs[r], self._results, list(sys.path)),
+                args=(r, world_size, port, self._jobs[r], self._results, list(sys.path), threads_per_worker()),
                 daemon=True,
             )
             for r in range(world_size)
