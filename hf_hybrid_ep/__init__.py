@@ -23,7 +23,15 @@ from .grads import clip_grad_norm_, no_sync
 from .hub import push_to_hub
 from .memory import memory_report
 from .mesh import HybridMesh, build_mesh
-from .parallelize import comm_stats, full_state_dict, parallelize, reset_comm_stats, routing_step, state_of
+from .parallelize import (
+    comm_stats,
+    full_state_dict,
+    parallelize,
+    reset_comm_stats,
+    routing_step,
+    state_of,
+    wait_for_parameters,
+)
 from .zero import ShardedOptimizer, make_optimizer, shard_optimizer
 
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
@@ -63,4 +71,5 @@ __all__ = [
     "ShardedOptimizer",
     "SafetensorsStore",
     "state_of",
+    "wait_for_parameters",
 ]

@@ -73,6 +73,12 @@ class HybridEPConfig:
             to a multiple of this (for GEMM kernels that need aligned groups); padding is never sent.
         overlap_shared_expert: for blocks that run their shared expert after the routed experts
             (DeepSeek-V3, GLM-4-MoE), compute it while the return all-to-all is in flight.
+        overlap_grad_reduce: launch each gradient bucket's collective (all-reduce, or reduce-scatter under
+            ZeRO-1) asynchronously during ``backward`` as soon as its gradients are accumulated, and the
+            ZeRO-1 parameter all-gathers after ``optimizer.step()`` (waited for by the first forward that
+            needs them). ``False``: the same buckets, blocking, at the end of ``backward`` / in ``step()``.
+        bucket_size_mb: gradient bucket size in MiB (a bucket closes once it holds this much); buckets
+            are filled in reverse registration order, per process group and dtype.
 
     Router controls (all off by default, so the model routes exactly as its transformers code does):
 
@@ -135,6 +141,8 @@ class HybridEPConfig:
     reduce_dense_gradients: bool = True
     overlap_degree: int = 1
     overlap_shared_expert: bool = False
+    overlap_grad_reduce: bool = True
+    bucket_size_mb: float = 25.0
     expert_alignment: int = 1
     router_temperature: float | None = None
     capacity_factor: float | None = None
@@ -240,6 +248,11 @@ class HybridEPConfig:
             raise HybridEPConfigError(f"expert_alignment={self.expert_alignment!r} must be a positive integer")
         if not isinstance(self.overlap_degree, int) or isinstance(self.overlap_degree, bool) or self.overlap_degree < 1:
             raise HybridEPConfigError(f"overlap_degree={self.overlap_degree!r} must be a positive integer")
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise HybridEPConfigError(f"overlap_grad_reduce={self.overlap_grad_reduce!r} must be true or false")
+        size = self.bucket_size_mb
+        if isinstance(size, bool) or not isinstance(size, int | float) or not size > 0:
+            raise HybridEPConfigError(f"bucket_size_mb={size!r} must be a positive number of MiB")
         if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:
             raise HybridEPConfigError(f"dead_expert_steps={self.dead_expert_steps!r} must be a positive integer")
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:

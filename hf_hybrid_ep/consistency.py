@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .mesh import current_device
-from .parallelize import state_of
+from .parallelize import state_of, wait_for_parameters
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -45,6 +45,7 @@ def verify_replicas(model: nn.Module) -> None:
     mesh = state.mesh
     if mesh.world_group is None:
         return
+    wait_for_parameters(model)
     device = current_device(mesh)
     expert_ids = {id(p) for layer in state.layers for p in layer.expert_parameters()}
     dense = [(n, p) for n, p in model.named_parameters() if id(p) not in expert_ids]
@@ -52,7 +53,7 @@ def verify_replicas(model: nn.Module) -> None:
                         mesh.world_group, list(range(mesh.world_size)), "dense")
     names = {id(p): n for n, p in model.named_parameters()}
     layer_of = {id(p): layer for layer in state.layers for p in layer.expert_parameters()}
-    for bucket in state.reducer.buckets:
+    for bucket in state.reducer.holder_groups:
         if bucket.group is None:
             continue
         labels, prints = [], []

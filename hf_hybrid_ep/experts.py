@@ -11,16 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .agreement import InputAgreement, input_flags
 from .config import HybridEPConfigError
 from .dispatch import CommStats, PlacementTable, make_dispatcher
-from .mesh import HybridMesh
+from .dispatch.alltoall import PendingExchange
+from .mesh import HybridMesh, all_gather_flat
 from .routing import apply_capacity
-
-# torch 2.13 renamed all_gather_into_tensor (same signature) and deprecates the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 
@@ -137,6 +135,7 @@ class ExpertParallelLayer:
         dispatcher: str,
         check_finite: bool,
         alignment: int = 1,
+        control_width: int | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -156,9 +155,10 @@ class ExpertParallelLayer:
         self.layer_id = 0  # position among the model's EP layers, set by parallelize
         self.layer_names: dict[int, str] = {}
         self.shadows = None  # a shadow.LayerShadows while hot-expert shadowing holds remote experts here
+        self.agreement: InputAgreement | None = None  # the model's, attached by parallelize
         self.dispatcher = make_dispatcher(
             dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type,
-            alignment=alignment,
+            alignment=alignment, control_width=control_width,
         )
         self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
 
@@ -192,7 +192,7 @@ class ExpertParallelLayer:
         if self.mesh.ep_group is None:
             gathered.copy_(padded)
         else:
-            _all_gather_single(gathered, padded, group=self.mesh.ep_group)
+            all_gather_flat(gathered, padded, self.mesh.ep_group)
         gathered = gathered.view(ep, slots, *local.shape[1:])
         full = local.new_empty((self.num_experts, *local.shape[1:]))
         for rank, row in enumerate(self.table.rows):
@@ -203,8 +203,14 @@ class ExpertParallelLayer:
         return [getattr(self.module, pname) for pname in self.param_names]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.check_finite:
-            self._agree_inputs_ok(hidden_states, top_k_index, top_k_weights)
+        """``[T, H]`` outputs of this layer's experts for ``hidden_states [T, H]`` routed by ``top_k_index`` /
+        ``top_k_weights [T, k]``: dispatch → local experts → combine. One counts exchange and the token
+        exchanges, all inside the EP group; NaN outputs and no exchange once the EP group has seen bad
+        inputs or a layer mismatch in this forward (:mod:`hf_hybrid_ep.agreement` raises on every rank)."""
+        agreement = self.agreement
+        if agreement is not None and agreement.degraded:
+            return self._skipped(hidden_states)
+        control = self._control(hidden_states, top_k_index, top_k_weights)
         dropped = 0
         if self.capacity_factor is not None:
             top_k_index, dropped = apply_capacity(
@@ -214,8 +220,11 @@ class ExpertParallelLayer:
             self.routing.count(top_k_index, dropped)
         shadow_slot_of = self.shadows.slot_of(top_k_index.device) if self.shadows is not None else None
         if self.overlap_degree > 1:
-            return self._forward_pipelined(hidden_states, top_k_index, top_k_weights, shadow_slot_of)
-        rows, _, handle = self.dispatcher.dispatch(hidden_states, top_k_index, shadow_slot_of)
+            return self._forward_pipelined(hidden_states, top_k_index, top_k_weights, shadow_slot_of, control)
+        handle = self.dispatcher.plan(top_k_index, shadow_slot_of, control)
+        if agreement is not None and agreement.check(self.layer_id, handle.peer_control):
+            return self._skipped(hidden_states)
+        rows = self.dispatcher.send(hidden_states, handle)
         overlap = None
         if self.shared_overlap is not None:
             self.shared_overlap.experts_ran = True
@@ -224,6 +233,18 @@ class ExpertParallelLayer:
         out = self.dispatcher.combine(self._experts(rows, handle), top_k_weights, handle, overlap_with=overlap,
                                       shadow_out=self._shadow_experts(hidden_states, handle))
         return out.to(hidden_states.dtype)
+
+    def _control(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``[2]`` int64 on the device: this rank's input flags and layer id, for the counts exchange."""
+        if self.check_finite:
+            flags = input_flags(hidden, index, weights, self.num_experts)
+        else:
+            flags = torch.zeros((), dtype=torch.long, device=hidden.device)
+        return torch.stack([flags, flags.new_full((), self.layer_id)])
+
+    @staticmethod
+    def _skipped(hidden: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(hidden, float("nan"))
 
     def _shadow_experts(self, hidden: torch.Tensor, handle) -> torch.Tensor | None:
         """This rank's shadows (local replicas of remote experts) on its own pairs for them, through the
@@ -248,16 +269,19 @@ class ExpertParallelLayer:
         return self.dispatcher.run_experts(self.module, self._local_forward, rows, handle)
 
     def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                           shadow_slot_of: torch.Tensor | None = None) -> torch.Tensor:
-        """Split the tokens into ``overlap_degree`` chunks; the token exchange of chunk i+1 runs
-        (asynchronously) while the experts of chunk i compute. Every rank runs the same number of
-        chunks (a chunk may be empty), so the collectives pair up in the same order everywhere."""
+                           shadow_slot_of: torch.Tensor | None, control: torch.Tensor) -> torch.Tensor:
+        """Split the tokens into ``overlap_degree`` chunks, all planned by one counts exchange. The token
+        exchange of chunk i+1 runs (asynchronously) while the experts of chunk i compute, and every chunk's
+        return exchange is asynchronous too, waited for only after the last chunk's experts. Every rank runs
+        the same number of chunks (a chunk may be empty), so the collectives pair up in the same order."""
         chunks = self.overlap_degree
         bounds = [hidden.shape[0] * i // chunks for i in range(chunks + 1)]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        handles = [self.dispatcher.plan(index[a:b], shadow_slot_of) for a, b in spans]
+        handles = self.dispatcher.plan_chunks(index, spans, shadow_slot_of, control)
+        if self.agreement is not None and self.agreement.check(self.layer_id, handles[0].peer_control):
+            return self._skipped(hidden)
         pending = self.dispatcher.send(hidden[spans[0][0] : spans[0][1]], handles[0], async_op=True)
-        outputs = []
+        returns = []
         for i, (a, b) in enumerate(spans):
             following = None
             if i + 1 < chunks:
@@ -265,44 +289,15 @@ class ExpertParallelLayer:
                 following = self.dispatcher.send(hidden[na:nb], handles[i + 1], async_op=True)
             handles[i].wait()
             expert_out = self._experts(pending, handles[i])
-            shadow_out = self._shadow_experts(hidden[a:b], handles[i])
-            outputs.append(self.dispatcher.combine(expert_out, weights[a:b], handles[i], shadow_out=shadow_out))
+            back_pending = PendingExchange()
+            returns.append((self.dispatcher.send_back(expert_out, handles[i], back_pending), back_pending,
+                            self._shadow_experts(hidden[a:b], handles[i])))
             pending = following
+        outputs = []
+        for (a, b), handle, (back, back_pending, shadow_out) in zip(spans, handles, returns, strict=True):
+            back_pending.wait()
+            outputs.append(self.dispatcher.finish_combine(back, weights[a:b], handle, shadow_out))
         return torch.cat(outputs).to(hidden.dtype)
-
-    def _agree_inputs_ok(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
-        """Raise on every rank at once if any rank sees bad inputs or runs a different layer.
-
-        One all-reduce of ``[2, W]`` int64 over the world. Row 0 holds flags (bit 1: NaN/inf in the router
-        input or routing weights, bit 2: an expert id outside ``[0, E)``); row 1 holds each rank's layer
-        id, which catches data-dependent control flow that would call different layers on different
-        ranks. Nobody is left waiting in a later collective.
-        """
-        nonfinite = ~torch.isfinite(hidden).all() | ~torch.isfinite(weights).all()
-        bad_index = ((index < -1) | (index >= self.num_experts)).any()
-        table = torch.zeros(2, self.mesh.world_size, dtype=torch.long, device=hidden.device)
-        table[0, self.mesh.rank] = nonfinite.long() + 2 * bad_index.long()
-        table[1, self.mesh.rank] = self.layer_id
-        if self.mesh.world_group is not None:
-            dist.all_reduce(table, group=self.mesh.world_group)
-        flags, layer_ids = table.tolist()
-        problems = []
-        if len(set(layer_ids)) > 1:
-            problems.append(
-                "ranks reached different MoE layers at the same point ("
-                + ", ".join(f"rank {r}: {self.layer_names.get(i, i)}" for r, i in enumerate(layer_ids))
-                + "); the model's control flow depends on each rank's data (e.g. a modality-specific experts "
-                "module that runs only when the local batch holds that modality), which expert parallelism "
-                "cannot follow: give every rank the same mix"
-            )
-        nan_ranks = [r for r, f in enumerate(flags) if f & 1]
-        index_ranks = [r for r, f in enumerate(flags) if f & 2]
-        if nan_ranks:
-            problems.append(f"non-finite values (NaN/inf) in the router input or routing weights on rank(s) {nan_ranks}")
-        if index_ranks:
-            problems.append(f"expert ids outside [0, {self.num_experts}) on rank(s) {index_ranks}")
-        if problems:
-            raise FloatingPointError(f"hybrid-EP layer {self.name}: " + "; ".join(problems))
 
 
 class SharedExpertOverlap:

@@ -1,16 +1,23 @@
 """Gradient reduction for hybrid EP and the true global gradient norm.
 
-Convention (DESIGN.md): every gradient equals the reference gradient of one process training the
-full model on the global batch, when each rank's loss is the mean over its own (equal-sized) batch.
+Convention: every gradient equals the reference gradient of one process training the full model on
+the global batch, when each rank's loss is the mean over its own (equal-sized) batch.
 
 * dense parameters: averaged over the world (the DDP convention);
 * an expert's gradient is a sum of contributions from every rank whose tokens reached it; it is
   summed over the ranks holding that expert (its EDP group, plus EP replicas) and divided by ``W``.
 
-The reduction runs once at the end of ``loss.backward()`` (an autograd engine callback queued from a
-post-accumulate-grad hook), in one fixed order on every rank, so a plain PyTorch loop needs no extra
-call. Gradients that are ``None`` at that point are set to zeros, so the optimizer never skips a
-parameter on one rank and not on another.
+Gradients live in persistent flat buckets (:mod:`hf_hybrid_ep.buckets`; ``.grad`` is a view into
+them, attached by a forward pre-hook of the model). With ``overlap_grad_reduce`` (the default) a
+post-accumulate-grad hook marks each parameter ready during ``backward``, and a bucket's collective
+(``all_reduce``, or ``reduce_scatter`` under ZeRO-1) is launched asynchronously as soon as its last
+gradient is accumulated — in bucket order within each process group, so every member issues the same
+sequence. An autograd-engine callback at the end of ``backward`` launches what is left (buckets whose
+parameters got no gradient, or held back while hot-expert shadows return their gradients), waits for
+every collective in a fixed order and divides. ``overlap_grad_reduce=False`` runs the same buckets
+blocking, one after the other, at the end of ``backward``. A plain PyTorch loop needs no extra call.
+Gradients that are ``None`` at that point are set to zeros, so the optimizer never skips a parameter
+on one rank and not on another.
 """
 
 from __future__ import annotations
@@ -25,26 +32,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from .mesh import HybridMesh, current_device, is_dtensor
-
-DENSE_BUCKET_BYTES = 64 * 2**20
+from .buckets import FlatBucket, bucket_of, runs
+from .mesh import HybridMesh, current_device, is_dtensor, reduce_scatter_flat
 
 
 @dataclass
 class ReducerStats:
-    """All-reduced payload, in bytes, summed over reductions (this rank's view)."""
+    """Reduced payload, in bytes, summed over reductions (this rank's view)."""
 
     reductions: int = 0
     dense_bytes: int = 0
     expert_bytes: int = 0
+    buckets_launched_in_backward: int = 0  # launched by a gradient hook, while backward still ran
+    buckets_launched_at_end: int = 0  # launched by the end-of-backward callback (or blocking)
 
     def reset(self) -> None:
         self.reductions = self.dense_bytes = self.expert_bytes = 0
+        self.buckets_launched_in_backward = self.buckets_launched_at_end = 0
 
 
 @dataclass
 class ExpertBucket:
-    """Expert-slot gradients reduced together: all slots held by exactly the same set of ranks.
+    """Expert slots held by exactly the same set of ranks (for the replica check).
 
     ``entries`` are ``(parameter, local slot indices)`` in (layer, global expert id) order, which every
     member rank derives identically from the placement tables.
@@ -55,35 +64,70 @@ class ExpertBucket:
     entries: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
 
 
+# Where an expert parameter's slots are reduced: (holder ranks, their group, local slots in global id order).
+ExpertHome = tuple[tuple[int, ...], "dist.ProcessGroup | None", list[int]]
+
+
 class GradientReducer:
-    """Reduces hybrid-EP gradients at the end of every backward pass unless disabled (``no_sync``)."""
+    """Reduces hybrid-EP gradients during every backward pass unless disabled (``no_sync``).
+
+    Args:
+        mesh: the DP×EP mesh.
+        order: every parameter of the model, in registration order.
+        dense: the dense (replicated) parameters.
+        expert_homes: ``id(expert parameter)`` → the holder sets of its slots.
+        holder_groups: the slot groups by exact holder set (consistency checks).
+        expert_norm_weights: ``(expert parameter, per-slot 1/replicas)`` for the global norm.
+        reduce_dense: average dense gradients over the world (off when torch DDP does it).
+        bucket_bytes: a bucket is closed once it holds this many bytes of gradients.
+        overlap: launch each bucket's collective during backward (else blocking, at the end).
+    """
 
     def __init__(
         self,
         mesh: HybridMesh,
+        order: list[nn.Parameter],
         dense: list[nn.Parameter],
-        buckets: list[ExpertBucket],
+        expert_homes: dict[int, list[ExpertHome]],
+        holder_groups: list[ExpertBucket],
         expert_norm_weights: list[tuple[nn.Parameter, torch.Tensor]],
         reduce_dense: bool = True,
+        bucket_bytes: int = 25 * 2**20,
+        overlap: bool = True,
     ) -> None:
         self.mesh = mesh
+        self.order = order
         self.dense = dense
-        self.buckets = buckets
+        self.expert_homes = expert_homes
+        self.holder_groups = holder_groups
         self.expert_norm_weights = expert_norm_weights
         self.reduce_dense = reduce_dense
+        self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
         # Dense gradients are averaged over this group (the world); a test swaps it to inject a fault.
         self.dense_group, self.dense_group_size = mesh.world_group, mesh.world_size
         self.enabled = True
         # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
         self.sync_predicate: Callable[[], bool] | None = None
-        # Run at the start of every reduction, after missing gradients are zero-filled (e.g. shadow
-        # gradients returned to their owners by hot-expert shadowing). Collective on every rank.
+        # Run at the end of a reducing backward before the remaining buckets launch, after missing
+        # gradients are zero-filled (hot-expert shadowing returns shadow gradients to their owners here).
+        # Collective on every rank.
         self.pre_reduce_hooks: list[Callable[[], None]] = []
+        # While it returns True, expert buckets wait for the end of backward (shadow gradients pending).
+        self.hold_expert_buckets: Callable[[], bool] | None = None
+        # Called at the first gradient of a reducing backward, before any bucket launches (the finite-
+        # input agreement starts there), and after every bucket completed at its end.
+        self.on_backward_start: list[Callable[[], None]] = []
+        self.on_backward_end: list[Callable[[], None]] = []
         self.stats = ReducerStats()
         # A zero.ZeroSharding once a sharded optimizer exists: reduce-scatter instead of all-reduce.
         self.sharding = None
+        self.buckets: list[FlatBucket] = []
+        self._layout_key: tuple | None = None
+        self._buckets_of: dict[int, list[FlatBucket]] = {}
         self._queued = False
-        self._whole: dict[tuple[int, int], bool] = {}
+        self._holding = False
+        self._dense_ids = {id(p) for p in dense}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for p in self.parameters()
@@ -101,81 +145,197 @@ class GradientReducer:
             h.remove()
         self._handles = []
 
-    # ------------------------------------------------------------------ reduction
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        if not self.enabled or self._queued or self.mesh.world_size == 1:
-            return
-        if self.sync_predicate is None or self.sync_predicate():
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._reduce_all)
+    # ------------------------------------------------------------------ layout
+    def layout(self) -> list[FlatBucket]:
+        """The flat buckets (built on first use, rebuilt when the set of trainable parameters changes)."""
+        key = tuple(p.requires_grad for p in self.order)
+        if key != self._layout_key:
+            if self.sharding is not None and self._layout_key is not None:
+                raise RuntimeError(
+                    "the set of trainable parameters changed after the ZeRO-1 optimizer was built; build the "
+                    "optimizer after setting requires_grad"
+                )
+            self.buckets = self._build()
+            self._layout_key = key
+            self._buckets_of = {}
+            for b in self.buckets:
+                for p in b.params():
+                    self._buckets_of.setdefault(id(p), []).append(b)
+        return self.buckets
 
-    def _reduce_all(self) -> None:
+    def _build(self) -> list[FlatBucket]:
+        """Buckets in reverse registration order, one stream per (kind, holder set, dtype), each closed at
+        :attr:`bucket_bytes`; every member of a holder set derives the same buckets and offsets."""
+        world = tuple(range(self.mesh.world_size))
+        open_: dict[tuple, list[tuple[nn.Parameter, int, int]]] = {}
+        sizes: dict[tuple, int] = {}
+        groups: dict[tuple, dist.ProcessGroup | None] = {}
+        out: list[FlatBucket] = []
+
+        def close(key: tuple) -> None:
+            kind, ranks, _ = key
+            out.append(bucket_of(kind, ranks, groups[key], self.mesh.rank, open_.pop(key)))
+            sizes.pop(key)
+
+        for p in reversed(self.order):
+            if not p.requires_grad or is_dtensor(p):
+                continue
+            if id(p) in self._dense_ids:
+                homes: list[ExpertHome] = [(world, self.mesh.world_group, None)]
+                kind = "dense"
+            elif id(p) in self.expert_homes:
+                homes, kind = self.expert_homes[id(p)], "expert"
+            else:
+                continue
+            for ranks, group, slots in homes:
+                if slots is None or list(slots) == list(range(p.shape[0])):
+                    pieces = [(p, 0, p.numel())]
+                else:
+                    row = math.prod(p.shape[1:])
+                    pieces = [(p, first * row, count * row) for first, count in runs(slots)]
+                key = (kind, ranks, p.dtype)
+                open_.setdefault(key, []).extend(pieces)
+                groups[key] = group
+                sizes[key] = sizes.get(key, 0) + sum(n for _, _, n in pieces) * p.element_size()
+            for key in [k for k, n in sizes.items() if n >= self.bucket_bytes]:
+                close(key)
+        for key in list(open_):
+            close(key)
+        for i, b in enumerate(out):
+            b.position = i
+            b.previous = [o for o in out[:i] if (o.kind, o.ranks, o.dtype) == (b.kind, b.ranks, b.dtype)]
+        return out
+
+    def passive(self, bucket: FlatBucket) -> bool:
+        """Dense buckets are left to torch DDP when it reduces the dense gradients."""
+        return bucket.kind == "dense" and not self.reduce_dense
+
+    def active_buckets(self) -> list[FlatBucket]:
+        return [b for b in self.layout() if not self.passive(b)]
+
+    def attach_grads(self) -> None:
+        """Point ``.grad`` of every view piece at its bucket buffer (the model's forward pre-hook calls this
+        when gradients are enabled, so autograd accumulates in place)."""
+        if self.mesh.world_size == 1:
+            return
+        for b in self.active_buckets():
+            if b.grad_buffer is None:
+                b.allocate_grad_buffer()
+            b.attach_grads()
+
+    # ------------------------------------------------------------------ reduction
+    def _reducing(self) -> bool:
+        return self.enabled and self.mesh.world_size > 1 and (self.sync_predicate is None or self.sync_predicate())
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._reducing():
+            return
+        if not self._queued:
+            self._begin_backward()
+        if not self.overlap:
+            return
+        for b in self._buckets_of.get(id(param), ()):
+            if b.work is None and not b.launched:
+                b.waiting.discard(id(param))
+        self._launch_ready()
+
+    def _begin_backward(self) -> None:
+        self._queued = True
+        Variable._execution_engine.queue_callback(self._end_backward)
+        for hook in self.on_backward_start:
+            hook()
+        self._holding = bool(self.hold_expert_buckets and self.hold_expert_buckets())
+        for b in self.active_buckets():
+            if b.grad_buffer is None:
+                b.allocate_grad_buffer()
+            b.waiting = {id(p) for p in b.params()}
+            b.work, b.launched = None, False
+
+    def _launch_ready(self) -> None:
+        """Launch, per process group, the next buckets in order whose gradients are all accumulated."""
+        for b in self.active_buckets():
+            if b.launched or b.waiting or (self._holding and b.kind == "expert"):
+                continue
+            if any(not o.launched for o in b.previous):
+                continue
+            self._launch(b, async_op=True)
+            self.stats.buckets_launched_in_backward += 1
+
+    def _group_of(self, b: FlatBucket) -> tuple[dist.ProcessGroup | None, int]:
+        if b.kind == "dense":
+            return self.dense_group, self.dense_group_size
+        return b.group, self.mesh.world_size
+
+    def _launch(self, b: FlatBucket, async_op: bool) -> None:
+        b.attach_grads()
+        b.stage_in()
+        group, _ = self._group_of(b)
+        if b.size == 1 or group is None:
+            b.work = None
+        elif self.sharding is not None:
+            b.shard_out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
+            b.work = reduce_scatter_flat(b.shard_out, b.grad_buffer, group, async_op=async_op)
+        else:
+            b.work = dist.all_reduce(b.grad_buffer, group=group, async_op=async_op)
+        b.launched = True
+        nbytes = b.padded * b.grad_buffer.element_size() if group is not None and b.size > 1 else 0
+        if b.kind == "dense":
+            self.stats.dense_bytes += nbytes
+        else:
+            self.stats.expert_bytes += nbytes
+
+    def _finish(self, b: FlatBucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+        b.work = None
+        _, divisor = self._group_of(b)
+        if self.sharding is None:
+            b.grad_buffer.div_(divisor)
+            b.stage_out()
+            return
+        a = b.index * b.shard
+        region = b.grad_buffer[a : a + b.shard]
+        if b.shard_out is not None:
+            region.copy_(b.shard_out)
+            b.shard_out = None
+        region.div_(divisor)
+        b.stage_out(a, a + b.shard)
+
+    def _end_backward(self) -> None:
         self._queued = False
-        self.reduce()
+        self.reduce(_in_backward=True)
 
     @torch.no_grad()
-    def reduce(self) -> None:
-        """Reduce all gradients now (called automatically at the end of ``backward``)."""
+    def reduce(self, _in_backward: bool = False) -> None:
+        """Finish the reduction now (called automatically at the end of ``backward``): zero-fill missing
+        gradients, run the pre-reduce hooks, launch the remaining buckets and wait for all of them."""
+        if not _in_backward:  # a direct call reduces everything, blocking
+            if self._queued:
+                return
+            for b in self.active_buckets():
+                b.launched, b.work = False, None
         for p in self.parameters():
             if p.requires_grad and p.grad is None and not is_dtensor(p):
                 p.grad = torch.zeros_like(p)
         for hook in self.pre_reduce_hooks:
             hook()
-        world = self.mesh.world_size
+        buckets = self.active_buckets()
+        for b in buckets:
+            if b.grad_buffer is None:
+                b.allocate_grad_buffer()
+            if not b.launched:
+                self._launch(b, async_op=self.overlap)
+                self.stats.buckets_launched_at_end += 1
+                if not self.overlap:
+                    self._finish(b)
+        for b in buckets:
+            if b.work is not None or self.overlap:
+                self._finish(b)
         if self.sharding is not None:
-            self.sharding.reduce_scatter_grads(world, dense_reduced=not self.reduce_dense)
-            self._count_sharded()
-            self.stats.reductions += 1
-            return
-        if self.reduce_dense:
-            for bucket in _buckets_by_size([p for p in self.dense if p.requires_grad], DENSE_BUCKET_BYTES):
-                grads = [p.grad for p in bucket]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.dense_group)
-                flat.div_(self.dense_group_size)
-                _unflatten_into(flat, grads)
-                self.stats.dense_bytes += flat.numel() * flat.element_size()
-        for bucket in self.buckets:
-            entries = [(p, idx) for p, idx in bucket.entries if p.requires_grad]
-            if not entries:
-                continue
-            # Slots covering a whole parameter (the usual case) are read and written without an index copy;
-            # a bucket of one such parameter is reduced in place, with no copy at all.
-            rows = [p.grad if self._all_slots(p, idx) else p.grad[idx] for p, idx in entries]
-            in_place = len(entries) == 1 and rows[0] is entries[0][0].grad and rows[0].is_contiguous()
-            flat = rows[0].view(-1) if in_place else torch.cat([r.reshape(-1) for r in rows])
-            if bucket.group is not None:
-                dist.all_reduce(flat, group=bucket.group)
-                self.stats.expert_bytes += flat.numel() * flat.element_size()
-            flat.div_(world)
-            if in_place:
-                continue
-            offset = 0
-            for (p, idx), r in zip(entries, rows, strict=True):
-                part = flat[offset : offset + r.numel()].view_as(r)
-                if r is p.grad:
-                    p.grad.copy_(part)
-                else:
-                    p.grad[idx] = part
-                offset += r.numel()
+            self.sharding.attach_grads()
         self.stats.reductions += 1
-
-    def _all_slots(self, p: torch.Tensor, idx: torch.Tensor) -> bool:
-        """Whether local slot indices ``idx`` are every slot of ``p`` in order (cached per bucket entry)."""
-        key = (id(p), id(idx))
-        if key not in self._whole:
-            self._whole[key] = idx.numel() == p.shape[0] and bool((idx.cpu() == torch.arange(p.shape[0])).all())
-        return self._whole[key]
-
-    def _count_sharded(self) -> None:
-        for b in self.sharding.buckets:
-            if b.group is None or (b.kind == "dense" and not self.reduce_dense):
-                continue
-            nbytes = b.size * b.shard * b.pieces[0].param.element_size()  # reduce-scatter input per rank
-            if b.kind == "dense":
-                self.stats.dense_bytes += nbytes
-            else:
-                self.stats.expert_bytes += nbytes
+        for hook in self.on_backward_end:
+            hook()
 
     # ------------------------------------------------------------------ norm
     def _norm_terms(self) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor | None]]]:
@@ -231,26 +391,6 @@ class GradientReducer:
         """The gradients the optimizer will read (shard views under zero1, local shards under FSDP)."""
         replicated, partial = self._norm_terms()
         return replicated + [g for g, _ in partial]
-
-
-def _buckets_by_size(params: list[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
-    bucket: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        bucket.append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 def reducer_of(model: nn.Module) -> GradientReducer:

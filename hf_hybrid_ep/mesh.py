@@ -125,19 +125,19 @@ def current_device(mesh: HybridMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
     """``out`` = the group's ``inp`` tensors concatenated in rank order (``all_gather_single`` where this
     torch has it, ``all_gather_into_tensor`` otherwise; looked up per call, so wrappers such as the
-    benchmarks' byte meters see it)."""
+    benchmarks' byte meters see it). Returns the work handle with ``async_op``."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp.contiguous(), group=group)
+    return gather(out, inp.contiguous(), group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
     """``out`` = this rank's chunk of the group-wide sum of ``inp`` (``reduce_scatter_single`` where this torch
-    has it, ``reduce_scatter_tensor`` otherwise; looked up per call)."""
+    has it, ``reduce_scatter_tensor`` otherwise; looked up per call). Returns the work handle with ``async_op``."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, inp, group=group)
+    return scatter(out, inp, group=group, async_op=async_op)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

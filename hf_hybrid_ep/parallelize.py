@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import InputAgreement
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
+from .dispatch.torch_backend import CONTROL_INTS
 from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
-from .grads import ExpertBucket, GradientReducer
+from .grads import ExpertBucket, ExpertHome, GradientReducer
 from .mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .shadow import ShadowManager
@@ -29,6 +31,7 @@ class HybridEPState:
     reducer: GradientReducer
     optimizer_steps: int = 0
     shadows: ShadowManager | None = None  # hot-expert shadowing (config.expert_cache)
+    agreement: InputAgreement | None = None  # bad inputs / layer mismatches seen in the counts exchanges
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
         """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
@@ -69,13 +72,15 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
                 )
 
 
-def _expert_buckets(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tuple[
-    list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
+def _expert_homes(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tuple[
+    dict[int, list[ExpertHome]], list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
 ]:
     """Group expert-slot gradients by the exact set of world ranks holding them.
 
     Every rank walks all layers and experts (global knowledge from the tables) so that process groups
-    are created in the same order everywhere; it keeps the entries for its own slots.
+    are created in the same order everywhere; it keeps its own slots. Returns, per expert parameter of
+    this rank, its homes ``(holder ranks, group, local slots in global id order)``; the same slots
+    grouped by holder set (for the replica check); and the per-slot norm weights (1 / holders).
     """
     holders_of: dict[tuple[int, int], tuple[int, ...]] = {}
     for li, layer in enumerate(layers):
@@ -83,20 +88,22 @@ def _expert_buckets(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tupl
             ranks = sorted(mesh.global_rank(d, r) for d in range(mesh.dp_degree) for r in layer.table.holders(e))
             holders_of[(li, e)] = tuple(ranks)
     groups = {ranks: mesh.group_of(ranks) for ranks in sorted(set(holders_of.values()))}
-    buckets = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if mesh.rank in ranks}
+    holder_groups = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if mesh.rank in ranks}
+    homes: dict[int, list[ExpertHome]] = {}
     norm_weights = []
     for li, layer in enumerate(layers):
         local = layer.local_experts
         order = sorted(range(len(local)), key=lambda s: local[s])
         weight = torch.tensor([1.0 / len(holders_of[(li, local[s])]) for s in range(len(local))], dtype=torch.float64)
+        by_ranks: dict[tuple[int, ...], list[int]] = {}
+        for s in order:
+            by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
         for p in layer.expert_parameters():
             norm_weights.append((p, weight))
-            by_ranks: dict[tuple[int, ...], list[int]] = {}
-            for s in order:
-                by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
+            homes[id(p)] = [(ranks, groups[ranks], slots) for ranks, slots in sorted(by_ranks.items())]
             for ranks, slots in by_ranks.items():
-                buckets[ranks].entries.append((p, torch.tensor(slots, dtype=torch.long, device=p.device)))
-    return [buckets[r] for r in sorted(buckets)], norm_weights
+                holder_groups[ranks].entries.append((p, torch.tensor(slots, dtype=torch.long, device=p.device)))
+    return homes, [holder_groups[r] for r in sorted(holder_groups)], norm_weights
 
 
 def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
@@ -149,15 +156,19 @@ def parallelize(
         _check_same_everywhere(model, tables, mesh)
 
     layers = []
+    # One counts-message width for every layer, so ranks in different layers still exchange equal sizes.
+    control_width = max(t.slots_per_rank for t in tables) + CONTROL_INTS
     for (name, module), table in zip(found, tables, strict=True):
         layer = ExpertParallelLayer(
-            name, module, table, mesh, config.dispatcher, config.check_finite, config.expert_alignment
+            name, module, table, mesh, config.dispatcher, config.check_finite, config.expert_alignment,
+            control_width=control_width,
         )
         layer.shard_()
         layers.append(layer)
     names = {i: layer.name for i, layer in enumerate(layers)}
+    agreement = InputAgreement(mesh, names)
     for i, layer in enumerate(layers):
-        layer.layer_id, layer.layer_names = i, names
+        layer.layer_id, layer.layer_names, layer.agreement = i, names, agreement
     if materialize is not None:
         _agree(mesh, materialize, model, layers)
     install_router_controls(model, layers, config)
@@ -173,17 +184,50 @@ def parallelize(
     if config.dense_sharding == "fsdp":
         _fully_shard_dense(model, layers, mesh)
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
-    buckets, norm_weights = _expert_buckets(layers, mesh)
+    homes, holder_groups, norm_weights = _expert_homes(layers, mesh)
     reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
-    reducer = GradientReducer(mesh, dense, buckets, norm_weights, reduce_dense=reduce_dense)
-    model._hybrid_ep = HybridEPState(config, mesh, layers, reducer)
+    reducer = GradientReducer(mesh, list(model.parameters()), dense, homes, holder_groups, norm_weights,
+                              reduce_dense=reduce_dense, bucket_bytes=int(config.bucket_size_mb * 2**20),
+                              overlap=config.overlap_grad_reduce)
+    model._hybrid_ep = HybridEPState(config, mesh, layers, reducer, agreement=agreement)
+    reducer.on_backward_start.append(agreement.launch)  # before the first gradient bucket
+    reducer.on_backward_end.append(agreement.finish)
+    model.register_forward_pre_hook(_before_forward)
+    model.register_forward_hook(_after_forward)
+    model.register_state_dict_pre_hook(lambda module, *args, **kwargs: wait_for_parameters(module))
     if config.expert_cache:
         shadows = ShadowManager(layers, mesh, config.expert_cache_capacity)
         reducer.pre_reduce_hooks.append(shadows.return_gradients)
+        reducer.hold_expert_buckets = shadows.returns_pending
         model._hybrid_ep.shadows = shadows
     _wrap_save_pretrained(model)
     _wrap_generate(model)
     return model
+
+
+def _before_forward(model: nn.Module, args) -> None:
+    """Attach the gradient buffers before a forward that will be differentiated."""
+    if torch.is_grad_enabled():
+        state_of(model).reducer.attach_grads()
+
+
+def _after_forward(model: nn.Module, args, output) -> None:
+    """Under ``no_grad`` (evaluation, ``generate``) no backward follows: the ranks agree on the forward's
+    inputs here (:mod:`hf_hybrid_ep.agreement`). A world of one has nobody to agree with: at once."""
+    state = state_of(model)
+    if not torch.is_grad_enabled() or state.mesh.world_group is None:
+        state.agreement.agree_now()
+
+
+def wait_for_parameters(model: nn.Module) -> None:
+    """Wait for the ZeRO-1 parameter all-gathers launched by the last ``optimizer.step()``.
+
+    Forward passes, saving, ``state_dict``, ``full_state_dict`` and the replica check do this themselves;
+    call it before reading parameters directly (``model.named_parameters()``) right after a step.
+    """
+    sharding = state_of(model).reducer.sharding
+    if sharding is not None:
+        sharding.wait_params()
 
 
 def _fully_shard_dense(model: nn.Module, layers: list[ExpertParallelLayer], mesh: HybridMesh) -> None:
@@ -233,6 +277,7 @@ def routing_step(model: nn.Module) -> None:
     state = state_of(model)
     state.optimizer_steps += 1
     if state.shadows is not None:
+        wait_for_parameters(model)  # the shadows' weights are read from the updated parameters
         state.shadows.refresh()
     on_optimizer_step(model, state.config, state.layers, state.mesh, state.optimizer_steps)
 
@@ -243,6 +288,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective over each EP group: call on every rank.
     """
     state = state_of(model)
+    wait_for_parameters(model)
     full = {k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()}  # FSDP2
     for layer in state.layers:
         for pname in layer.param_names:
@@ -284,7 +330,9 @@ def comm_stats(model: nn.Module) -> dict[str, dict]:
     state = state_of(model)
     out: dict[str, dict] = {layer.name: layer.stats.as_dict() for layer in state.layers}
     r = state.reducer.stats
-    out["gradient_reduction"] = {"reductions": r.reductions, "dense_bytes": r.dense_bytes, "expert_bytes": r.expert_bytes}
+    out["gradient_reduction"] = {"reductions": r.reductions, "dense_bytes": r.dense_bytes, "expert_bytes": r.expert_bytes,
+                                 "buckets_launched_in_backward": r.buckets_launched_in_backward,
+                                 "buckets_launched_at_end": r.buckets_launched_at_end}
     return out
 
 

@@ -195,9 +195,10 @@ class LayerRouting:
         if _in_backward():
             return
         step = self._on(index.device)
-        flat = index.reshape(-1)
-        kept = flat >= 0
-        step[: self.num_experts] += torch.bincount(flat.clamp_min(0), weights=kept.double(), minlength=self.num_experts)
+        flat = index.reshape(-1).long()
+        kept = (flat >= 0) & (flat < self.num_experts)  # ids outside [0, E) are reported by the agreement
+        # A fixed-size scatter, not bincount: no device→host synchronisation on CUDA.
+        step[: self.num_experts].scatter_add_(0, torch.where(kept, flat, 0), kept.double())
         step[self.num_experts] += dropped
         step[self.num_experts + 1] += kept.sum()
         if self.coactivation and index.dim() >= 1 and index.shape[-1] > 1:
@@ -205,13 +206,13 @@ class LayerRouting:
 
     def _count_pairs(self, step: torch.Tensor, index: torch.Tensor) -> None:
         """Add the token's expert pairs (``a < b``, both kept) of ``index [T, k]`` to the E×E counter:
-        one bincount over ``T·k(k−1)/2`` keys, on the routing tensors' device."""
+        one fixed-size scatter over ``T·k(k−1)/2`` keys, on the routing tensors' device."""
         E, k = self.num_experts, index.shape[1]
         first, second = torch.triu_indices(k, k, 1, device=index.device)
-        a, b = index[:, first], index[:, second]  # [T, k(k-1)/2]
-        valid = (a >= 0) & (b >= 0) & (a != b)
-        keys = (torch.minimum(a, b) * E + torch.maximum(a, b))[valid]
-        step[E + 4 :] += torch.bincount(keys, minlength=E * E).double()
+        a, b = index[:, first].long(), index[:, second].long()  # [T, k(k-1)/2]
+        valid = (a >= 0) & (b >= 0) & (a < E) & (b < E) & (a != b)
+        keys = torch.where(valid, torch.minimum(a, b) * E + torch.maximum(a, b), 0).reshape(-1)
+        step[E + 4 :].scatter_add_(0, keys, valid.reshape(-1).double())
 
     def coactivation_matrix(self, counts: torch.Tensor) -> torch.Tensor:
         """The symmetric ``[E, E]`` pair counts (zero diagonal) from a counter vector like ``window``."""

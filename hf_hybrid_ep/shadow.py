@@ -183,6 +183,12 @@ class ShadowManager:
         counters.control_bytes += control_bytes
 
     # ------------------------------------------------------------------ gradients
+    def returns_pending(self) -> bool:
+        """Whether shadow gradients will be returned at the end of this backward (some rank of this EP group
+        holds a shadow): the reducer then holds the expert buckets back until they are."""
+        return any(layer.shadows is not None and layer.shadows.active and any(layer.shadows.plan.values())
+                   for layer in self.layers)
+
     @torch.no_grad()
     def return_gradients(self) -> None:
         """Pre-reduce hook: send every shadow's gradient to its owner, which adds it to its own; then the

@@ -1,176 +1,79 @@
 """ZeRO-1 optimizer-state sharding for hybrid EP (``optimizer_sharding="zero1"``).
 
-Gradients are laid out in *flat buckets*: a virtual 1-D concatenation of parameter pieces that is
-reduced together and split into equal contiguous shards, one per member rank:
-
-* one bucket per dtype for the trainable dense parameters, over the whole world (``W`` shards);
-* one bucket per expert bucket of the :class:`~hf_hybrid_ep.grads.GradientReducer` (the slots held by
-  exactly one set of ranks: the EDP group, plus EP replicas), over those ranks (``dp`` shards with the
-  contiguous placement).
-
-A bucket of ``N`` elements over ``G`` ranks has shards of ``S = ceil(N / G)`` elements; member ``i``
-owns ``[i·S, min((i+1)·S, N))`` (the tail of the last shard is padding, which is communicated as zeros
-and never stored). After ``backward`` the reducer reduce-scatters each bucket (one collective per chunk
-of at most :data:`CHUNK_BYTES` per rank), writes the reduced shard into this rank's part of the
-parameters' ``.grad`` and nothing else: the rest of ``.grad`` then holds this rank's *unreduced*
+The unit is the gradient reducer's flat bucket (:mod:`hf_hybrid_ep.buckets`): dense buckets over the
+whole world, expert buckets over the exact set of ranks holding their slots (the EDP group, plus EP
+replicas). A bucket of ``N`` elements over ``G`` ranks has shards of ``S = ceil(N / G)`` elements;
+member ``i`` owns ``[i·S, min((i+1)·S, N))`` (the tail of the last shard is padding, communicated as
+zeros). During ``backward`` the reducer reduce-scatters each bucket as soon as its gradients are
+accumulated (asynchronously, with ``overlap_grad_reduce``) and writes the reduced shard into this rank's
+region of the bucket's gradient buffer: the rest of the buffer then holds this rank's *unreduced*
 contributions, which only the optimizer of another rank would need.
 
-The torch optimizer runs over **views** (``p.detach().view(-1)[a:b]``) of the owned pieces, so it keeps
-state (Adam's moments) for ``≈ 1/G`` of every bucket, updates the parameters in place, and
-:meth:`ZeroSharding.gather_params` all-gathers the updated shards. Like Megatron-Core's distributed
-optimizer: no separate fp32 copy for fp32 parameters, each view is one parameter's contiguous range.
+The torch optimizer runs over **views** of the owned pieces, so it keeps state (Adam's moments) for
+``≈ 1/G`` of every bucket and updates the parameters in place. The parameters of whole-parameter pieces
+live in the bucket's flat parameter buffer, so :meth:`ZeroSharding.gather_params`, launched after
+``step()``, all-gathers every bucket in place — asynchronously, waited for by a forward pre-hook of the
+first module that needs the bucket (Megatron-Core's ``overlap_param_gather``). Whatever else reads
+parameters (saving, ``full_state_dict``, the replica check, shadow refresh, ``state_dict``) calls
+:func:`hf_hybrid_ep.wait_for_parameters` first. Like Megatron-Core's distributed optimizer: no separate
+fp32 copy for fp32 parameters.
 
-When torch DDP already averaged the dense gradients (the Trainer/Accelerate path), the dense bucket is
-not communicated again: each rank reads its shard of the averaged gradient (an all-reduce instead of
+When torch DDP already averaged the dense gradients (the Trainer/Accelerate path), the dense buckets
+are not communicated again: each rank reads its shard of the averaged gradient (an all-reduce instead of
 a reduce-scatter; same results, the same optimizer-state saving).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .mesh import all_gather_flat, is_dtensor, reduce_scatter_flat
-
-CHUNK_BYTES = 64 * 2**20  # per rank and collective: the temporary buffers hold group_size × this
-
-
-@dataclass
-class Piece:
-    """``param.view(-1)[start : start + length]`` at ``offset`` of its bucket's flat layout."""
-
-    param: nn.Parameter
-    start: int
-    length: int
-    offset: int
+from .buckets import FlatBucket, OwnedView
+from .mesh import all_gather_flat
 
 
-@dataclass
-class OwnedView:
-    """The part of a piece that this rank owns: ``param.view(-1)[start:stop]`` = shard ``[lo:hi]``."""
-
-    param: nn.Parameter
-    start: int
-    stop: int
-    lo: int  # offset inside this rank's shard
-    view: torch.Tensor  # what the torch optimizer steps (shares storage with ``param``)
-
-
-@dataclass
-class FlatBucket:
-    """Parameter pieces reduced together and sharded over ``ranks`` (sorted global ranks)."""
-
-    ranks: tuple[int, ...]
-    group: dist.ProcessGroup | None
-    index: int  # this rank's position in ``ranks``
-    pieces: list[Piece]
-    numel: int
-    kind: str = "expert"  # or "dense"
-    owned: list[OwnedView] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def shard(self) -> int:
-        """Elements per shard ``S = ceil(N / G)``."""
-        return math.ceil(self.numel / self.size)
-
-    @property
-    def owned_numel(self) -> int:
-        return max(0, min(self.numel - self.index * self.shard, self.shard))
-
-    def _locate(self, a: int, b: int) -> Iterable[tuple[Piece, int, int]]:
-        """Pieces intersecting flat range ``[a, b)``: ``(piece, lo, hi)`` in flat coordinates."""
-        offsets = [p.offset for p in self.pieces]
-        i = max(0, bisect.bisect_right(offsets, a) - 1)
-        while i < len(self.pieces) and self.pieces[i].offset < b:
-            piece = self.pieces[i]
-            lo, hi = max(a, piece.offset), min(b, piece.offset + piece.length)
-            if lo < hi:
-                yield piece, lo, hi
-            i += 1
-
-    def read(self, a: int, b: int, out: torch.Tensor, grads: bool) -> None:
-        """Copy flat range ``[a, b)`` of the gradients (or parameters) into ``out`` (zeros past ``N``)."""
-        out.zero_()
-        for piece, lo, hi in self._locate(a, min(b, self.numel)):
-            src = piece.param.grad if grads else piece.param
-            s = piece.start + lo - piece.offset
-            out[lo - a : hi - a].copy_(src.detach().view(-1)[s : s + hi - lo])
-
-    def write(self, a: int, values: torch.Tensor, grads: bool) -> None:
-        """Copy ``values`` into flat range ``[a, a + len(values))`` of the gradients (or parameters)."""
-        for piece, lo, hi in self._locate(a, min(a + values.numel(), self.numel)):
-            dst = piece.param.grad if grads else piece.param
-            s = piece.start + lo - piece.offset
-            dst.detach().view(-1)[s : s + hi - lo].copy_(values[lo - a : hi - a])
-
-
-def _runs(slots: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs ``(first, count)`` of sorted slot indices."""
-    runs: list[tuple[int, int]] = []
-    for s in slots:
-        if runs and runs[-1][0] + runs[-1][1] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((s, 1))
-    return runs
-
-
-def _bucket(ranks: tuple[int, ...], group, rank: int, pieces: list[tuple[nn.Parameter, int, int]]) -> FlatBucket:
-    laid, offset = [], 0
-    for p, start, length in pieces:
-        laid.append(Piece(p, start, length, offset))
-        offset += length
-    bucket = FlatBucket(ranks, group, ranks.index(rank), laid, offset)
-    a = bucket.index * bucket.shard
-    b = a + bucket.owned_numel
-    for piece, lo, hi in bucket._locate(a, b):
+def _owned_views(b: FlatBucket) -> list[OwnedView]:
+    a = b.index * b.shard
+    owned = []
+    for piece, lo, hi in b.locate(a, a + b.owned_numel):
         s = piece.start + lo - piece.offset
         if not piece.param.is_contiguous():
             raise ValueError("optimizer_sharding='zero1' needs contiguous parameters")
-        view = piece.param.detach().view(-1)[s : s + hi - lo]
-        bucket.owned.append(OwnedView(piece.param, s, s + hi - lo, lo - a, view))
-    return bucket
+        owned.append(OwnedView(piece.param, s, s + hi - lo, lo - a, piece.param.detach().view(-1)[s : s + hi - lo]))
+    return owned
 
 
 class ZeroSharding:
-    """The flat-bucket layout of one hybrid-EP model; shared by its reducer and its sharded optimizer."""
+    """The sharded view of one hybrid-EP model's flat buckets; shared by its reducer and its optimizer."""
 
     def __init__(self, model: nn.Module) -> None:
         from .parallelize import state_of
 
         state = state_of(model)
-        reducer, mesh = state.reducer, state.mesh
-        self.mesh = mesh
-        self.buckets: list[FlatBucket] = []
-        world = tuple(range(mesh.world_size))
-        dense = [p for p in reducer.dense if p.requires_grad and not is_dtensor(p)]
-        for dtype in sorted({p.dtype for p in dense}, key=str):
-            pieces = [(p, 0, p.numel()) for p in dense if p.dtype == dtype]
-            bucket = _bucket(world, mesh.world_group, mesh.rank, pieces)
-            bucket.kind = "dense"
-            self.buckets.append(bucket)
-        for eb in reducer.buckets:
-            entries = [(p, idx) for p, idx in eb.entries if p.requires_grad]
-            for dtype in sorted({p.dtype for p, _ in entries}, key=str):
-                pieces = []
-                for p, idx in entries:
-                    if p.dtype != dtype:
-                        continue
-                    row = math.prod(p.shape[1:])  # elements per expert slot
-                    for first, count in _runs(idx.tolist()):
-                        pieces.append((p, first * row, count * row))
-                self.buckets.append(_bucket(eb.ranks, eb.group, mesh.rank, pieces))
+        self.reducer, self.mesh = state.reducer, state.mesh
+        self.buckets: list[FlatBucket] = self.reducer.layout()
+        for b in self.buckets:
+            b.allocate_param_buffer()
+            b.owned = _owned_views(b)
         self.sharded_params = {id(pc.param) for b in self.buckets for pc in b.pieces}
+        self._hooks = self._register_wait_hooks(model)
+
+    def _register_wait_hooks(self, model: nn.Module) -> list:
+        """A forward pre-hook on every module holding parameters of a bucket: wait for that bucket's gather."""
+        bucket_of_param: dict[int, list[FlatBucket]] = {}
+        for b in self.buckets:
+            for p in b.params():
+                bucket_of_param.setdefault(id(p), []).append(b)
+        handles = []
+        for module in model.modules():
+            mine = {id(b): b for p in module.parameters(recurse=False) for b in bucket_of_param.get(id(p), ())}
+            if mine:
+                buckets = sorted(mine.values(), key=lambda b: b.position)
+                handles.append(module.register_forward_pre_hook(lambda m, a, bs=buckets: self._wait(bs)))
+        return handles
 
     def views_of(self, param: torch.Tensor) -> list[torch.Tensor] | None:
         """This rank's optimizer views of ``param`` (possibly none), or ``None`` if it is not sharded here."""
@@ -182,73 +85,50 @@ class ZeroSharding:
         for b in self.buckets:
             yield from b.owned
 
-    # ------------------------------------------------------------------ collectives
-    @torch.no_grad()
-    def reduce_scatter_grads(self, world_size: int, dense_reduced: bool = False) -> None:
-        """Average every bucket's gradients and leave this rank's shard in its views' ``.grad``.
-
-        ``dense_reduced``: torch DDP already averaged the dense gradients; only read the shard.
-        """
-        for b in self.buckets:
-            reduced = dense_reduced and b.kind == "dense"
-            if reduced or b.group is None:
-                if not reduced:
-                    for o in b.owned:
-                        o.param.grad.view(-1)[o.start : o.stop].div_(world_size)
-                self._attach_grads(b)
-                continue
-            dtype = b.pieces[0].param.dtype
-            device = b.pieces[0].param.device
-            chunk = _chunk_elems(b, dtype)
-            base = b.index * b.shard
-            for c0 in range(0, b.shard, chunk):
-                c1 = min(b.shard, c0 + chunk)
-                n = c1 - c0
-                inp = torch.empty(b.size * n, dtype=dtype, device=device)
-                for j in range(b.size):
-                    b.read(j * b.shard + c0, j * b.shard + c1, inp[j * n : (j + 1) * n], grads=True)
-                out = torch.empty(n, dtype=dtype, device=device)
-                reduce_scatter_flat(out, inp, b.group)
-                out.div_(world_size)
-                b.write(base + c0, out, grads=True)
-            self._attach_grads(b)
-
-    @staticmethod
-    def _attach_grads(b: FlatBucket) -> None:
-        for o in b.owned:
-            # Re-alias the view: wrappers may have swapped the parameter's storage (``p.data = ...``,
-            # as the Trainer/Accelerate preparation does) since the optimizer was built.
-            current = o.param.detach().view(-1)[o.start : o.stop]
-            if o.view.data_ptr() != current.data_ptr():
-                o.view.data = current
-            if o.param.grad is not None:
-                o.view.grad = o.param.grad.detach().view(-1)[o.start : o.stop]
-
+    # ------------------------------------------------------------------ gradients
     def attach_grads(self) -> None:
         """Point every owned view's ``.grad`` at its slice of the parameter's gradient (idempotent)."""
         for b in self.buckets:
-            self._attach_grads(b)
+            b.relink_params()
+            for o in b.owned:
+                # Re-alias the view: a wrapper may have replaced the parameter's storage (``p.data = ...``).
+                current = o.param.detach().view(-1)[o.start : o.stop]
+                if o.view.data_ptr() != current.data_ptr():
+                    o.view.data = current
+                if o.param.grad is not None:
+                    o.view.grad = o.param.grad.detach().view(-1)[o.start : o.stop]
 
+    # ------------------------------------------------------------------ parameters
     @torch.no_grad()
-    def gather_params(self) -> None:
-        """All-gather the updated shards so every member holds the whole bucket again."""
-        for b in self.buckets:
+    def gather_params(self, async_op: bool = True) -> None:
+        """All-gather the updated shards so every member holds the whole bucket again; in forward order
+        (the last bucket holds the first layers), asynchronously unless ``async_op=False``."""
+        for b in reversed(self.buckets):
+            self._wait([b])
             if b.group is None:
                 continue
-            dtype = b.pieces[0].param.dtype
-            device = b.pieces[0].param.device
-            chunk = _chunk_elems(b, dtype)
-            base = b.index * b.shard
-            for c0 in range(0, b.shard, chunk):
-                c1 = min(b.shard, c0 + chunk)
-                n = c1 - c0
-                mine = torch.empty(n, dtype=dtype, device=device)
-                b.read(base + c0, base + c1, mine, grads=False)
-                full = torch.empty(b.size * n, dtype=dtype, device=device)
-                all_gather_flat(full, mine, b.group)
-                for j in range(b.size):
-                    if j != b.index:
-                        b.write(j * b.shard + c0, full[j * n : (j + 1) * n], grads=False)
+            b.relink_params()
+            mine = torch.empty(b.shard, dtype=b.dtype, device=b.device)
+            b.params_in(b.index * b.shard, (b.index + 1) * b.shard, mine)
+            b.gather_work = all_gather_flat(b.param_buffer, mine, b.group, async_op=async_op)
+            if not async_op:
+                self._wait([b])
+            elif b.gather_work is None:
+                b.gather_work = True  # a group of one, or a wrapper that ran it synchronously
+
+    @staticmethod
+    def _wait(buckets: list[FlatBucket]) -> None:
+        for b in buckets:
+            if b.gather_work is None:
+                continue
+            if b.gather_work is not True:
+                b.gather_work.wait()
+            b.gather_work = None
+            b.params_out()
+
+    def wait_params(self) -> None:
+        """Wait for every pending parameter all-gather (before anything reads the parameters)."""
+        self._wait(self.buckets)
 
     @torch.no_grad()
     def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict]]:
@@ -309,11 +189,6 @@ class ZeroSharding:
                     st[key] = torch.tensor(value, dtype=torch.float32)
 
 
-def _chunk_elems(b: FlatBucket, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return max(1, CHUNK_BYTES // elem)
-
-
 def _agree_keys(keys: set[str], b: FlatBucket) -> set[str]:
     """The union of state keys over the bucket's ranks (a rank owning nothing has none)."""
     if b.group is None:
@@ -371,9 +246,10 @@ class ShardedOptimizer:
         super().__init__(shard_groups, *args, **kwargs)
 
     def step(self, closure=None):
+        self.hybrid_sharding.wait_params()  # a step before any forward (the first one, or a repeated step)
         self.hybrid_sharding.attach_grads()
         loss = super().step(closure)
-        self.hybrid_sharding.gather_params()
+        self.hybrid_sharding.gather_params(async_op=self.hybrid_sharding.reducer.overlap)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

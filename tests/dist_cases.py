@@ -73,6 +73,7 @@ def _local_view(model, tensor_of_ref, p):
 def _compare_params(model, ref, measured_names=None, spread_of=None, step_budget=None) -> dict:
     """The ``final_params`` check of :mod:`parity` on this rank's parameters (local expert slots against the
     reference's same slots; FSDP2-sharded weights assembled whole)."""
+    hep.wait_for_parameters(model)
     ref_params = dict(ref.named_parameters())
     triples = ((name, _full(p.detach()), _local_view(model, ref_params[name].detach(), p))
                for name, p in model.named_parameters())
@@ -106,6 +107,8 @@ def train_parity(
     seq: int = SEQ,
     load_from: str | None = None,
     fault: str | None = None,
+    bucket_size_mb: float = 25.0,
+    overlap_grad_reduce: bool = True,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -131,7 +134,8 @@ def train_parity(
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
                                 expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
                                 expert_cache_capacity=expert_cache_capacity or 1, optimizer_sharding=optimizer_sharding,
-                                dense_sharding=dense_sharding)
+                                dense_sharding=dense_sharding, bucket_size_mb=bucket_size_mb,
+                                overlap_grad_reduce=overlap_grad_reduce)
     if load_from is not None:
         model = hep.from_pretrained(load_from, config)
         model.set_attn_implementation(ref.config._attn_implementation)
@@ -177,8 +181,11 @@ def train_parity(
     view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
     spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
                                                      view)
+    reducer = hep.state_of(model).reducer
     return {
         "shadow_steps": shadow_steps,
+        "buckets": [(b.kind, b.size, b.numel) for b in reducer.active_buckets()],
+        "launched_in_backward": reducer.stats.buckets_launched_in_backward,
         "max_loss_rel": max(loss_diffs),
         "max_norm_rel": max(norm_diffs),
         "max_grad_rel_step0": max(grad_diffs),
@@ -297,24 +304,38 @@ def one_hot_expert_training(model_type: str, ep: int, num_experts: int) -> dict:
             **_compare_params(model, ref)}
 
 
-def nan_in_router_input(model_type: str, bad_rank: int) -> dict:
-    """Inject NaN into one rank's embeddings; every rank must raise naming the layer and the rank."""
+def nan_in_router_input(model_type: str, bad_rank: int, dp: int = 1, backward: bool = False) -> dict:
+    """Inject NaN into one rank's embeddings; every rank must raise naming the layer and the rank — from the
+    forward under ``no_grad``, from ``backward()`` (after every gradient bucket completed) otherwise."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, _ = _build(model_type, 4)
-    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=world // dp))
     batch = _rank_slice(_global_inputs(model, world, seed=3), rank)
     embeds = model.get_input_embeddings()(batch.pop("input_ids")).detach()
     if rank == bad_rank:
         embeds[0, 1, 3] = math.nan
+    where = ""
     try:
-        model(inputs_embeds=embeds, **batch)
+        if backward:
+            loss = model(inputs_embeds=embeds, **batch).loss
+            where = "forward returned"
+            loss.backward()
+        else:
+            with torch.no_grad():
+                model(inputs_embeds=embeds, **batch)
     except FloatingPointError as err:
         message = str(err)
     else:
         message = ""
     flag = torch.ones(1)
     dist.all_reduce(flag)  # the group is still usable: nobody was left inside a collective
-    return {"message": message, "alive": flag.item() == world}
+    # and the model too: a clean step afterwards trains normally
+    clean = _rank_slice(_global_inputs(model, world, seed=4), rank)
+    model.zero_grad()
+    loss = model(**clean).loss
+    loss.backward()
+    return {"message": message, "alive": flag.item() == world, "where": where,
+            "clean_loss_finite": bool(torch.isfinite(loss).item())}
 
 
 def bad_layout_refused(model_type: str, num_experts: int, ep: int) -> dict:
@@ -397,7 +418,7 @@ def modality_mismatch(model_type: str) -> dict:
     hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
     batch = tiny_inputs(model, BATCH_PER_RANK, SEQ, torch.Generator().manual_seed(rank), exercise_all_experts=rank == 0)
     try:
-        model(**batch)
+        model(**batch).last_hidden_state.sum().backward()  # reported at backward, on every rank
     except FloatingPointError as err:
         return {"message": str(err)}
     return {"message": ""}
@@ -819,3 +840,33 @@ def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:
     group = [mesh.global_rank(mesh.dp_rank, r) for r in range(mesh.ep_degree)]
     return {"kind": mesh.layout.kind, "ep": mesh.ep_degree, "group": group,
             "nodes": sorted({mesh.topology.node_of(g) for g in group})}
+
+
+def save_right_after_step(directory: str, dp: int, ep: int) -> dict:
+    """ZeRO-1 with overlapped parameter gathers: a save and a ``state_dict`` taken right after ``step()``
+    (gathers still pending, no forward in between) hold the updated parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding="zero1",
+                                              bucket_size_mb=0.01))
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batch = _global_inputs(ref, world, seed=3)
+    model(**_rank_slice(batch, rank)).loss.backward()
+    ref(**batch).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    opt.step()
+    ref_opt.step()
+    pending = sum(b.gather_work is not None for b in hep.state_of(model).reducer.sharding.buckets)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # waits for the gathers
+    save_hybrid_checkpoint(model, directory)
+    reloaded = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    want = dict(ref.named_parameters())
+    saved_rel = max(_rel(reloaded[n], want[n].detach()) for n in want)
+    local = dict(model.named_parameters())
+    state_rel = max(_rel(state[n], _local_view(model, want[n].detach(), local[n])) for n in local)
+    return {"pending": pending, "saved_rel": saved_rel, "state_dict_rel": state_rel}

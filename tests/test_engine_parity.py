@@ -67,10 +67,14 @@ def test_parameter_bytes_per_rank(pools):
         assert r["held"] == r["full_dense"] + r["full_experts"] // 2
 
 
-def test_nan_in_router_input_raises_on_every_rank(pools):
-    results = pools(4).run(cases.nan_in_router_input, "qwen3_moe", 2)
+@pytest.mark.parametrize(("dp", "backward"), [(1, False), (2, True)], ids=["1x4-no_grad-forward", "2x2-backward"])
+def test_nan_in_router_input_raises_on_every_rank(pools, dp, backward):
+    # Under no_grad the forward raises; with gradients the forward completes (NaN loss) and backward
+    # raises on every rank after all gradient buckets completed (no clipping, nothing else in between).
+    results = pools(4).run(cases.nan_in_router_input, "qwen3_moe", 2, dp, backward)
     for r in results:
-        assert r["alive"]
+        assert r["alive"] and r["clean_loss_finite"], r
+        assert r["where"] == ("forward returned" if backward else ""), r
         assert "model.layers.0.mlp.experts" in r["message"], r
         assert "non-finite values (NaN/inf)" in r["message"] and "rank(s) [2]" in r["message"], r
 

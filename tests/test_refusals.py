@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import parity
 import pytest
 import torch
 from tiny_models import build_tiny_model
@@ -43,6 +44,7 @@ def test_world_of_one_is_the_identity():
     ids = torch.randint(3, 100, (2, 6))
     want = model(input_ids=ids).logits
     hep.parallelize(model)
-    assert torch.equal(model(input_ids=ids).logits, want)
+    # the same computation; the grouped GEMM sees the rows in another order (fp32 round-off only)
+    assert parity.rel(model(input_ids=ids).logits, want) <= parity.REL_TOL
     with pytest.raises(hep.HybridEPConfigError, match="already parallelized"):
         hep.parallelize(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import parity
 import pytest
 import torch
 from tiny_models import build_tiny_model
@@ -38,11 +39,11 @@ def test_selection_rule_equals_the_hf_router_bit_for_bit(family, kind):
     for router in _routers(model):
         rule = match_rule(router, int(router.top_k), router.weight.shape[1])
         assert rule is not None and rule.kind == kind
-    # installed at neutral settings (a zero update rate), the model is unchanged bit for bit
+    # installed at neutral settings (a zero update rate), routing is unchanged bit for bit; the logits
+    # then differ from the unparallelized model only by the expert path's fp32 round-off
     hep.parallelize(model, hep.HybridEPConfig(bias_update_rate=0.0))
     assert all(type(r).forward is not r.forward for r in _routers(model))  # the rule is installed
-    ids = _ids()
-    assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    _assert_same_routing(model, reference, _ids())
 
 
 def test_all_controls_off_leaves_the_routers_alone():
@@ -50,8 +51,16 @@ def test_all_controls_off_leaves_the_routers_alone():
     reference = copy.deepcopy(model)
     hep.parallelize(model)
     assert all("forward" not in vars(r) for r in _routers(model))
-    ids = _ids()
-    assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    _assert_same_routing(model, reference, _ids())
+
+
+def _assert_same_routing(model, reference, ids) -> None:
+    """The first router sees the same input in both models: its outputs are equal bit for bit. The expert
+    path (grouped GEMM over rows in another order) rounds differently, so later routers and the logits are
+    compared within the parity criterion's bound."""
+    got, want = _router_outputs(model, ids), _router_outputs(reference, ids)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+    assert parity.rel(model(input_ids=ids).logits, reference(input_ids=ids).logits) <= parity.REL_TOL
 
 
 def _router_outputs(model, ids):

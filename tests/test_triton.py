@@ -86,11 +86,14 @@ def test_triton_dispatcher_trains_like_one_process(pools, family, alignment, pla
 
 
 def test_regroup_plan_rank_major_to_expert_major_with_padding():
-    from hf_hybrid_ep.dispatch import CommStats, PlacementTable, TritonDispatcher
+    from hf_hybrid_ep.dispatch import CommStats, DispatchHandle, PlacementTable, TritonDispatcher
 
     dispatcher = TritonDispatcher(PlacementTable.contiguous(4, 2), 0, None, CommStats(), alignment=4)
     # received from rank 0: 2 rows for slot 0, 1 for slot 1; from rank 1: 3 for slot 0, 0 for slot 1
-    index, destination, sizes = dispatcher.regroup_plan(torch.tensor([2, 1, 3, 0]), 2)
+    handle = DispatchHandle(torch.arange(0), 0, [0, 0], [3, 3], 0, 1, recv_counts=torch.tensor([2, 1, 3, 0]),
+                            recv_counts_host=[2, 1, 3, 0])
+    index, destination, sizes, sizes_host = dispatcher.regroup_plan(handle, 2)
+    assert sizes_host == [8, 4]
     assert sizes.tolist() == [8, 4]  # 5 rows -> 8, 1 row -> 4
     assert index.tolist() == [0, 1, 3, 4, 5, -1, -1, -1, 2, -1, -1, -1]
     assert destination.tolist() == [0, 1, 8, 2, 3, 4]

@@ -33,12 +33,12 @@ def resolve_backend(name: str, device_type: str = "cpu") -> str:
 
 def make_dispatcher(
     name: str, table: PlacementTable, ep_rank: int, ep_group: dist.ProcessGroup | None, stats: CommStats,
-    device_type: str = "cpu", alignment: int = 1,
+    device_type: str = "cpu", alignment: int = 1, control_width: int | None = None,
 ) -> TorchDispatcher:
     backend = resolve_backend(name, device_type)
     if backend == "triton":
-        return TritonDispatcher(table, ep_rank, ep_group, stats, alignment=alignment)
-    return TorchDispatcher(table, ep_rank, ep_group, stats)
+        return TritonDispatcher(table, ep_rank, ep_group, stats, control_width, alignment=alignment)
+    return TorchDispatcher(table, ep_rank, ep_group, stats, control_width)
 
 
 __all__ = [

@@ -11,7 +11,7 @@ import os
 import torch
 
 from ..config import HybridEPConfigError
-from .torch_backend import DispatchHandle, TorchDispatcher
+from .torch_backend import DispatchHandle, TorchDispatcher, grouped_experts
 
 
 def triton_unavailable_reason(device_type: str) -> str | None:
@@ -40,45 +40,12 @@ class TritonDispatcher(TorchDispatcher):
         self._kernels = triton_kernels
         self.alignment = alignment
 
-    def regroup_plan(self, recv_counts: torch.Tensor, local_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where each received row goes in expert-major, padded order.
-
-        Returns ``(index [P], destination [M], group_sizes [local_slots])``: ``index[j]`` is the received
-        row placed at padded position j (-1: padding), ``destination[i]`` the padded position of row i.
-        """
-        ep, slots = self.table.ep_degree, self.table.slots_per_rank
-        counts = recv_counts.view(ep, slots)[:, :local_slots]  # [ep, S_local]
-        received = int(recv_counts.sum())
-        per_slot = counts.sum(0)
-        padded = (per_slot + self.alignment - 1) // self.alignment * self.alignment
-        slot_start = torch.cumsum(padded, 0) - padded  # [S_local]
-        within = torch.cumsum(counts, 0) - counts  # rows from earlier ranks in the same slot
-        rank_major_start = (torch.cumsum(recv_counts, 0) - recv_counts).view(ep, slots)[:, :local_slots]
-        delta = (slot_start.unsqueeze(0) + within - rank_major_start).reshape(-1)
-        device = recv_counts.device
-        destination = torch.arange(received, device=device) + torch.repeat_interleave(delta, counts.reshape(-1))
-        index = torch.full((int(padded.sum()),), -1, dtype=torch.long, device=device)
-        index[destination] = torch.arange(received, device=device)
-        return index, destination, padded
-
     def run_experts(self, module, local_forward, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        from transformers.integrations.moe import _grouped_linear
-
-        local_slots = module.num_experts
-        index, destination, sizes = self.regroup_plan(handle.recv_counts, local_slots)
-        grouped = self._kernels.fused_gather_rows(rows, index)  # expert-major, padded
-        offsets = torch.cumsum(sizes, 0).to(torch.int32)
-        expert_of_row = torch.repeat_interleave(torch.arange(local_slots, device=rows.device), sizes)
-        up = module.gate_up_proj if module.has_gate else module.up_proj
-        up_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
-        out = _grouped_linear(grouped, up, offsets, bias=None if up_bias is None else up_bias[expert_of_row],
-                              is_transposed=module.is_transposed)
-        out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
-        down_bias = module.down_proj_bias[expert_of_row] if module.has_bias else None
-        out = _grouped_linear(out, module.down_proj, offsets, bias=down_bias, is_transposed=module.is_transposed)
-        if module.has_post_expert_norm:
-            out = module.post_expert_norm(out)
-        return self._kernels.fused_gather_rows(out, destination)  # back to rank-major order
+        """Always the grouped GEMM path, with the regroups as fused gathers (padding rows are zeros)."""
+        index, destination, sizes, _ = self.regroup_plan(handle, module.num_experts)
+        grouped = self._kernels.fused_gather_rows(rows, index, destination)  # expert-major, padded
+        out = grouped_experts(module, grouped, sizes)
+        return self._kernels.fused_gather_rows(out, destination, index)  # back to rank-major order
 
     def _permute(self, hidden: torch.Tensor, order: torch.Tensor, num_sent: int, top_k: int) -> torch.Tensor:
         return self._kernels.fused_permute(hidden, order, num_sent, top_k)

@@ -167,26 +167,22 @@ def _gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class FusedGatherRows(torch.autograd.Function):
-    """``out[j] = src[index[j]]`` (zeros where ``index[j] < 0``); every source row is used at most once,
-    so the backward is a gather by the inverse index."""
+    """``out[j] = src[index[j]]`` (zeros where ``index[j] < 0``); every source row is used at most once, so
+    the backward is the gather by ``inverse`` (``inverse[i]``: where source row ``i`` went, -1: nowhere)."""
 
     @staticmethod
-    def forward(ctx, src, index):  # type: ignore[override]
-        src = src.contiguous()
-        inverse = torch.full((src.shape[0],), -1, dtype=torch.long, device=src.device)
-        used = index >= 0
-        inverse[index[used]] = torch.nonzero(used).reshape(-1)
+    def forward(ctx, src, index, inverse):  # type: ignore[override]
         ctx.save_for_backward(inverse)
-        return _gather(src, index)
+        return _gather(src.contiguous(), index)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (inverse,) = ctx.saved_tensors
-        return _gather(grad.contiguous(), inverse), None
+        return _gather(grad.contiguous(), inverse), None, None
 
 
-def fused_gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return FusedGatherRows.apply(src, index)
+def fused_gather_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return FusedGatherRows.apply(src, index, inverse)
 
 
 def fused_permute(hidden: torch.Tensor, order: torch.Tensor, num_rows: int, top_k: int) -> torch.Tensor:

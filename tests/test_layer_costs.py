@@ -1,0 +1,25 @@
+"""One MoE layer = one counts exchange + the token exchanges, inside the EP group, and one host read.
+
+Counted for one layer's forward and backward at (dp, ep) = (2, 2) with the torch and Triton dispatchers:
+collectives per process group (``torch.distributed`` wrapped), and the ATen ops that synchronise the host
+with a CUDA device (under a ``TorchDispatchMode``; tests/sync_counting.py). Before this layout the forward
+also ran a world all-reduce (the finite check) and 4 (torch) / 12 (Triton) synchronising ops besides the
+two host reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sync_counting
+
+
+@pytest.mark.parametrize("overlap_degree", [1, 2])
+@pytest.mark.parametrize("dispatcher", ["torch", "triton"])
+def test_one_counts_exchange_and_one_host_read_per_layer(pools, dispatcher, overlap_degree):
+    for r in pools(4).run(sync_counting.layer_costs, dispatcher, 2, overlap_degree):
+        assert r["grads"]
+        chunks = overlap_degree
+        assert r["forward"]["collectives"] == {"all_to_all_single@ep": 1 + 2 * chunks}, r  # counts + tokens
+        assert r["backward"]["collectives"] == {"all_to_all_single@ep": 2 * chunks}, r
+        assert r["forward"]["syncs"] == {"Tensor.tolist": 1}, r  # the counts, once
+        assert r["backward"]["syncs"] == {}, r
