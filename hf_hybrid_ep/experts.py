@@ -218,7 +218,10 @@ class ExpertParallelLayer:
             )
         if self.routing is not None:
             self.routing.count(top_k_index, dropped)
-        shadow_slot_of = self.shadows.slot_of(top_k_index.device) if self.shadows is not None else None
+        shadow_slot_of = None
+        if self.shadows is not None:
+            self.shadows.wait()  # the weights fetched after the last optimizer step
+            shadow_slot_of = self.shadows.slot_of(top_k_index.device)
         if self.overlap_degree > 1:
             return self._forward_pipelined(hidden_states, top_k_index, top_k_weights, shadow_slot_of, control)
         handle = self.dispatcher.plan(top_k_index, shadow_slot_of, control)

@@ -18,8 +18,11 @@ plus ``expert_bytes`` of gradients returned. The ``expert_cache_capacity`` exper
 positive net saving are shadowed. Every rank's choice is all-gathered over its EP group (a
 ``[layers, E]`` mask), so owners know whom to send weights to and from whom to expect gradients.
 
-Weights travel with one uneven ``all_to_all_single`` per layer over the EP group (and gradients back
-the same way); the counters are in ``comm_stats(model)[layer]["shadow"]``.
+Weights travel with one uneven ``all_to_all_single`` per layer and expert parameter over the EP group,
+straight into the shadows' parameter storage, launched asynchronously after the optimizer step and
+waited for by the layer's next forward; gradients go back the same way, sent from the shadows' gradient
+storage. A layer in which no rank of the EP group chose a shadow moves nothing: only the mask all-gather
+runs. The counters are in ``comm_stats(model)[layer]["shadow"]``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,15 @@ class LayerShadows:
     params: dict[str, nn.Parameter]  # parameter name -> [len(experts), ...] shadow weights (not in the model)
     plan: dict[int, list[int]]  # every EP rank's shadows in this layer (the all-gathered decision)
     active: bool = True
+    pending: list = field(default_factory=list)  # (work, send buffer) of the weight exchange in flight
     _slot_of: dict = field(default_factory=dict)  # device -> [E] int64 slot (-1: not shadowed)
+
+    def wait(self) -> None:
+        """Complete the asynchronous weight exchange (the layer's forward calls this before using them)."""
+        for work, _ in self.pending:
+            if work is not None:
+                work.wait()
+        self.pending = []
 
     def slot_of(self, device: torch.device) -> torch.Tensor | None:
         """``[E]`` shadow slot of each expert on ``device`` (-1: not shadowed), or ``None`` when inactive."""
@@ -97,7 +108,17 @@ class ShadowManager:
         return hook
 
     # ------------------------------------------------------------------ decision
-    def choose(self, index: int) -> list[int]:
+    def _step_counts(self) -> list[list[float]]:
+        """Every layer's pair counts of the last optimizer step, in one host read."""
+        width = max(layer.num_experts for layer in self.layers)
+        rows = []
+        for layer in self.layers:
+            routing = getattr(layer, "routing", None)
+            counts = routing.step[: layer.num_experts] if routing is not None else torch.zeros(layer.num_experts)
+            rows.append(torch.nn.functional.pad(counts.double().cpu(), (0, width - layer.num_experts)))
+        return torch.stack(rows).tolist()
+
+    def choose(self, index: int, counts: list[float] | None = None) -> list[int]:
         """This rank's shadows for layer ``index``: remote experts whose predicted token bytes saved exceed
         the weight and gradient bytes, the ``capacity`` best. Predictor: the previous step's pair counts."""
         layer = self.layers[index]
@@ -105,7 +126,8 @@ class ShadowManager:
         row_bytes = self.row_bytes.get(index)
         if routing is None or row_bytes is None:
             return []
-        counts = routing.step[: layer.num_experts].detach().cpu().tolist()
+        if counts is None:
+            counts = self._step_counts()[index]
         trained = any(p.requires_grad for p in layer.expert_parameters())
         cost = expert_bytes(layer) * (2 if trained else 1)
         exchanges = EXCHANGES_PER_ROW if trained else 2
@@ -119,26 +141,35 @@ class ShadowManager:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Decide this step's shadows on every rank, agree over the EP group and fetch the weights.
+        """Decide this step's shadows on every rank, agree over the EP group and start fetching the weights.
 
         Call after ``optimizer.step()`` (``routing_step`` does), before the routing counters are reset.
-        Collective over the world (each EP group exchanges within itself).
+        Collective over the world (each EP group exchanges within itself); the weight exchanges complete
+        asynchronously, before the layer's next forward uses them.
         """
         mesh = self.mesh
         if mesh.ep_group is None:
             return
         device = current_device(mesh)
         num_experts = max(layer.num_experts for layer in self.layers)
-        mine = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
+        counts = self._step_counts()
+        mine = torch.zeros(len(self.layers), num_experts, dtype=torch.int32)
         for i in range(len(self.layers)):
-            for e in self.choose(i):
+            for e in self.choose(i, counts[i]):
                 mine[i, e] = 1
+        mine = mine.to(device)
         masks = torch.empty(mesh.ep_degree * mine.shape[0], mine.shape[1], dtype=mine.dtype, device=device)
         all_gather_flat(masks, mine, mesh.ep_group)
         masks = masks.view(mesh.ep_degree, *mine.shape).cpu()
         row_bytes = mine.shape[1] * mine.element_size() * (mesh.ep_degree - 1)  # one layer's row, to each peer
         for i, layer in enumerate(self.layers):
-            self._fetch(layer, masks[:, i], row_bytes)
+            layer.stats.shadow.control_bytes += row_bytes
+            if layer.shadows is not None:
+                layer.shadows.wait()
+            if not bool(masks[:, i].any()):  # nobody in the EP group shadows here: nothing moves
+                layer.shadows = None
+                continue
+            self._fetch(layer, masks[:, i])
 
     def _plan(self, layer, masks: torch.Tensor) -> dict[int, list[int]]:
         """EP rank -> the experts it shadows in this layer, ordered by (owner, id)."""
@@ -148,39 +179,33 @@ class ShadowManager:
             held[rank] = sorted(chosen, key=lambda e: (self._owner(layer, e), e))
         return held
 
-    def _fetch(self, layer, masks: torch.Tensor, control_bytes: int) -> None:
+    def _fetch(self, layer, masks: torch.Tensor) -> None:
+        """One asynchronous uneven all-to-all per expert parameter, received into the shadow parameters."""
         me, ep = self.mesh.ep_rank, self.mesh.ep_degree
         held = self._plan(layer, masks)
-        params = layer.expert_parameters()
-        per_expert = sum(p[0].numel() for p in params)
         slot = {e: s for s, e in enumerate(layer.local_experts)}
-        send_parts, send_splits = [], []
-        for rank in range(ep):
-            mine = [e for e in held[rank] if self._owner(layer, e) == me] if rank != me else []
-            for e in mine:
-                send_parts.append(torch.cat([p.detach()[slot[e]].reshape(-1) for p in params]))
-            send_splits.append(len(mine) * per_expert)
+        requested = {rank: [e for e in held[rank] if self._owner(layer, e) == me] if rank != me else []
+                     for rank in range(ep)}
+        send_slots = [slot[e] for rank in range(ep) for e in requested[rank]]
+        send_rows = [len(requested[rank]) for rank in range(ep)]
         wanted = held[me]
-        recv_splits = [sum(per_expert for e in wanted if self._owner(layer, e) == rank) for rank in range(ep)]
-        dtype, device = params[0].dtype, params[0].device
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
-        recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.mesh.ep_group)
-        rows = recv.view(len(wanted), per_expert)
-        shadow_params, offset = {}, 0
-        for name, p in zip(layer.param_names, params, strict=True):
-            width = p[0].numel()
-            value = rows[:, offset : offset + width].reshape(len(wanted), *p.shape[1:]).clone()
+        recv_rows = [sum(1 for e in wanted if self._owner(layer, e) == rank) for rank in range(ep)]
+        shadow_params, pending, sent = {}, [], 0
+        for name, p in zip(layer.param_names, layer.expert_parameters(), strict=True):
+            index = torch.tensor(send_slots, dtype=torch.long, device=p.device)
+            send = p.detach().index_select(0, index)
+            value = p.new_empty((len(wanted), *p.shape[1:]))
+            work = dist.all_to_all_single(value, send, recv_rows, send_rows, group=self.mesh.ep_group, async_op=True)
+            pending.append((work, send))
             shadow_params[name] = nn.Parameter(value, requires_grad=p.requires_grad)
-            offset += width
+            sent += send.numel() * send.element_size()
         owners = [self._owner(layer, e) for e in wanted]
-        layer.shadows = LayerShadows(layer.num_experts, wanted, owners, shadow_params, held)
+        layer.shadows = LayerShadows(layer.num_experts, wanted, owners, shadow_params, held, pending=pending)
         counters = layer.stats.shadow
         counters.refreshes += 1
         counters.shadows_held += len(wanted)
-        counters.weight_bytes_sent += send.numel() * send.element_size()
-        counters.weight_bytes_received += recv.numel() * recv.element_size()
-        counters.control_bytes += control_bytes
+        counters.weight_bytes_sent += sent
+        counters.weight_bytes_received += sum(v.numel() * v.element_size() for v in shadow_params.values())
 
     # ------------------------------------------------------------------ gradients
     def returns_pending(self) -> bool:
@@ -194,46 +219,39 @@ class ShadowManager:
         """Pre-reduce hook: send every shadow's gradient to its owner, which adds it to its own; then the
         shadows expire. Runs on every rank inside the gradient reduction (collective over each EP group;
         shadows become active and expire on every rank at the same points, so all ranks agree on
-        whether there is anything to exchange)."""
+        whether there is anything to exchange). One all-to-all per layer and expert parameter, sent from
+        the shadows' gradients as they are (ordered by owner), all in flight together."""
         live = [layer for layer in self.layers if layer.shadows is not None and layer.shadows.active]
         if self.mesh.ep_group is None or not live:
             return
         me, ep = self.mesh.ep_rank, self.mesh.ep_degree
+        exchanges = []
         for layer in live:
             shadows = layer.shadows
-            params = layer.expert_parameters()
-            per_expert = sum(p[0].numel() for p in params)
-            parts = [
-                torch.cat([_grad_row(shadows.params[name], s).reshape(-1) for name in layer.param_names])
-                for s in range(len(shadows.experts))  # ordered by owner, like the splits
-            ]
-            send_splits = [per_expert * shadows.owners.count(rank) for rank in range(ep)]
-            senders = {
-                rank: [e for e in shadows.plan[rank] if self._owner(layer, e) == me] if rank != me else []
-                for rank in range(ep)
-            }
-            recv_splits = [len(senders[rank]) * per_expert for rank in range(ep)]
-            dtype, device = params[0].dtype, params[0].device
-            send = torch.cat(parts).to(dtype) if parts else torch.empty(0, dtype=dtype, device=device)
-            recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
-            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.mesh.ep_group)
+            shadows.wait()
+            send_rows = [shadows.owners.count(rank) for rank in range(ep)]
+            senders = [e for rank in range(ep) if rank != me for e in shadows.plan[rank] if self._owner(layer, e) == me]
+            recv_rows = [sum(1 for e in shadows.plan[rank] if self._owner(layer, e) == me) if rank != me else 0
+                         for rank in range(ep)]
+            for name, p in zip(layer.param_names, layer.expert_parameters(), strict=True):
+                shadow = shadows.params[name]
+                send = shadow.grad if shadow.grad is not None else torch.zeros_like(shadow)
+                recv = p.new_empty((len(senders), *p.shape[1:]))
+                work = dist.all_to_all_single(recv, send.to(p.dtype), recv_rows, send_rows, group=self.mesh.ep_group,
+                                              async_op=True)
+                exchanges.append((layer, p, senders, send, recv, work))
+        for layer, p, senders, send, recv, work in exchanges:
+            work.wait()
             slot = {e: s for s, e in enumerate(layer.local_experts)}
-            rows = iter(recv.view(-1, per_expert)) if recv.numel() else iter(())
-            for rank in range(ep):
-                for e in senders[rank]:
-                    row, inner = next(rows), 0
-                    for p in params:
-                        width = p[0].numel()
-                        if p.grad is not None:
-                            p.grad[slot[e]] += row[inner : inner + width].view_as(p.grad[slot[e]])
-                        inner += width
+            if p.grad is not None:
+                for row, e in enumerate(senders):  # in a fixed order: deterministic sums
+                    p.grad[slot[e]] += recv[row]
             counters = layer.stats.shadow
             counters.grad_bytes_sent += send.numel() * send.element_size()
             counters.grad_bytes_received += recv.numel() * recv.element_size()
-            shadows.active = False
-            for p in shadows.params.values():
-                p.grad = None
+        for layer in live:
+            layer.shadows.active = False
+            for q in layer.shadows.params.values():
+                q.grad = None
 
 
-def _grad_row(shadow: nn.Parameter, slot: int) -> torch.Tensor:
-    return shadow.grad[slot] if shadow.grad is not None else torch.zeros_like(shadow[slot])

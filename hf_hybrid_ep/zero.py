@@ -278,10 +278,38 @@ def shard_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer]
     return cls(model, params, *args, **kwargs)
 
 
+def fast_implementation(optimizer_cls: type[torch.optim.Optimizer], params, **kwargs) -> dict[str, bool]:
+    """``{"fused": True}`` where ``optimizer_cls`` has a fused kernel for these parameters' device and dtypes,
+    else ``{"foreach": True}`` where it takes that flag, else ``{}``; nothing when ``kwargs`` already choose.
+
+    torch's default on CPU is the per-tensor loop (for AdamW on one 32.5 M-parameter rank, 0.155 s vs
+    0.048 s fused, single-threaded); the Trainer already defaults to ``adamw_torch_fused``.
+    """
+    import inspect
+
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    if "fused" in kwargs or "foreach" in kwargs:
+        return {}
+    accepted = inspect.signature(optimizer_cls.__init__).parameters
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    floating = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+    if "fused" in accepted and tensors and all(
+        t.dtype in floating and t.device.type in _get_fused_kernels_supported_devices() for t in tensors
+    ):
+        return {"fused": True}
+    if "foreach" in accepted:
+        return {"foreach": True}
+    return {}
+
+
 def make_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], params, *args, **kwargs):
-    """The optimizer the model's config asks for: sharded with ``optimizer_sharding="zero1"``, plain otherwise."""
+    """The optimizer the model's config asks for: sharded with ``optimizer_sharding="zero1"``, plain otherwise;
+    with the fused (or multi-tensor) kernel of :func:`fast_implementation` unless ``kwargs`` choose one."""
     from .parallelize import state_of
 
+    params = list(params)
+    kwargs = {**fast_implementation(optimizer_cls, params, **kwargs), **kwargs}
     if state_of(model).config.optimizer_sharding == "zero1":
         return shard_optimizer(model, optimizer_cls, params, *args, **kwargs)
     return optimizer_cls(params, *args, **kwargs)

@@ -144,8 +144,12 @@ def train_parity(
         hep.parallelize(model, config)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
-    ref_optimizer = lambda params: torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS)  # noqa: E731
     opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
+    implementation = {k: v for k, v in opt.defaults.items() if k in ("fused", "foreach") and v}
+
+    def ref_optimizer(params):  # the hybrid run's implementation (fused AdamW here), so only the engine differs
+        return torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS, **implementation)
+
     ref_opt = ref_optimizer(ref.parameters())
     ref_grads = dict(ref.named_parameters())
     batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
@@ -854,7 +858,7 @@ def save_right_after_step(directory: str, dp: int, ep: int) -> dict:
     hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding="zero1",
                                               bucket_size_mb=0.01))
     opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     batch = _global_inputs(ref, world, seed=3)
     model(**_rank_slice(batch, rank)).loss.backward()
     ref(**batch).loss.backward()

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather", "all_gather_object",
-               "reduce_scatter_tensor", "broadcast", "barrier", "all_to_all")
+COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_gather",
+               "all_gather_object", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier",
+               "all_to_all")
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique", "_unique", "_unique2",
             "unique_consecutive", "unique_dim"}
 HOST_READS = ("tolist", "cpu", "numpy")
@@ -162,3 +163,31 @@ def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1)
                           "syncs": dict(sorted(syncs.counts.items()))}
     out["grads"] = bool(x.grad is not None and logits.grad is not None)
     return out
+
+
+def shadow_refresh_costs(skew: bool) -> dict:
+    """Collectives of ``routing_step`` with hot-expert shadowing on, after one training step (tiny GPT-OSS,
+    world 4 at (1, 4)): with ``skew`` experts 0 and 2 draw nearly every token and get shadowed."""
+    from dist_cases import _global_inputs, _rank_slice, _skew_routers
+    from tiny_models import build_tiny_model
+
+    import hf_hybrid_ep as hep
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_tiny_model("gpt_oss", num_experts=4)
+    model.train()
+    if skew:
+        _skew_routers(model, [0, 2], 4.0)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world, expert_cache=True, expert_cache_capacity=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seq = 32 if skew else 4  # few tokens and no skew: no remote expert is worth its weight bytes
+    model(**_rank_slice(_global_inputs(model, world, seed=1, seq=seq), rank)).loss.backward()
+    opt.step()
+    state = hep.state_of(model)
+    counter = CollectiveCounter({"ep": state.mesh.ep_group, "edp": state.mesh.edp_group})
+    with counter.active():
+        hep.routing_step(model)
+    held = sum(len(layer.shadows.experts) for layer in state.layers if layer.shadows is not None)
+    return {"collectives": {f"{k[0]}@{k[1]}": v for k, v in sorted(counter.counts.items())}, "held": held,
+            "params_per_layer": len(state.layers[0].param_names), "layers": len(state.layers)}

@@ -23,3 +23,14 @@ def test_one_counts_exchange_and_one_host_read_per_layer(pools, dispatcher, over
         assert r["backward"]["collectives"] == {"all_to_all_single@ep": 2 * chunks}, r
         assert r["forward"]["syncs"] == {"Tensor.tolist": 1}, r  # the counts, once
         assert r["backward"]["syncs"] == {}, r
+
+
+def test_shadow_refresh_moves_nothing_when_no_rank_chose_a_shadow(pools):
+    # routing_step: the loads' world all-reduce, the shadow-mask all-gather, and per layer and expert
+    # parameter one weight exchange only where some rank of the EP group holds a shadow
+    for r in pools(4).run(sync_counting.shadow_refresh_costs, False):
+        assert r["held"] == 0 and {k: v for k, v in r["collectives"].items() if "all_to_all" in k} == {}, r
+        assert r["collectives"].get("all_gather_single@ep") == 1, r
+    for r in pools(4).run(sync_counting.shadow_refresh_costs, True):
+        exchanges = sum(v for k, v in r["collectives"].items() if "all_to_all" in k)
+        assert exchanges == r["params_per_layer"] * r["layers"], r

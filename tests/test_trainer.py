@@ -93,3 +93,13 @@ def test_trainer_refreshes_hot_expert_shadows(pools, tmp_path):
         # refreshed after each of the 4 optimizer steps (2 layers, capacity 1; the last refresh goes unused)
         assert b["shadows_held"] == 2 * 4 and b["rows_local"] > 0, b
         assert _rel(b["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], b["losses"])
+
+
+def test_ddp_looks_for_unused_parameters_only_where_some_can_be_unused():
+    from tiny_models import build_tiny_model
+
+    from hf_hybrid_ep.integrations.trainer import may_leave_parameters_unused
+
+    assert may_leave_parameters_unused(build_tiny_model("qwen3_moe", num_experts=4)) is None
+    vl = build_tiny_model("ernie4_5_vl_moe", num_experts=4, num_layers=3)  # text and vision experts per block
+    assert "several experts modules" in (may_leave_parameters_unused(vl) or ""), may_leave_parameters_unused(vl)

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -31,6 +32,7 @@ from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import save_hybrid_checkpoint
 from ..config import HybridEPConfigError
 from ..consistency import verify_replicas
+from ..experts import find_experts_modules
 from ..freeze import ExpertFreezer
 from ..grads import clip_grad_norm_
 from ..memory import log_memory_report
@@ -39,6 +41,32 @@ from ..parallelize import routing_step, state_of
 from ..zero import reshard_optimizer
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
+
+logger = logging.getLogger("hf_hybrid_ep")
+
+
+def may_leave_parameters_unused(model: nn.Module) -> str | None:
+    """Why some dense parameters may get no gradient in a step (``None``: none can): experts modules chosen
+    per token modality (several in one block, ERNIE-4.5-VL), or a vision/audio tower a text batch skips."""
+    blocks: dict[str, int] = {}
+    for name, _ in find_experts_modules(model):
+        parent = name.rpartition(".")[0].rpartition(".")[0]
+        blocks[parent] = blocks.get(parent, 0) + 1
+    multi = sorted(b for b, n in blocks.items() if n > 1)
+    if multi:
+        return f"{multi[0]} holds several experts modules chosen by token modality"
+    config = getattr(model, "config", None)
+    towers = sorted(k for k in (config.to_dict() if config is not None else {})
+                    if k.endswith(("vision_config", "audio_config", "speech_config")))
+    if towers:
+        return f"the model has a {towers[0].removesuffix('_config')} tower that batches without it leave unused"
+    return None
+
+
+def _no_pinned_memory_without_cuda(training_args) -> None:
+    """``dataloader_pin_memory`` off when no CUDA device exists (pinning would only warn on every rank)."""
+    if training_args is not None and getattr(training_args, "dataloader_pin_memory", False) and not torch.cuda.is_available():
+        training_args.dataloader_pin_memory = False
 
 
 class _HybridEPCallback(TrainerCallback):
@@ -74,6 +102,7 @@ class HybridEPTrainer(Trainer):
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
         self._freeze = (freeze_experts, freeze_from_step)
         self.freezer: ExpertFreezer | None = None
+        _no_pinned_memory_without_cuda(args[0] if args else kwargs.get("args"))
         super().__init__(model, *args, **kwargs)
         self.add_callback(_HybridEPCallback(self, verify_sync_steps))
         prepare_accelerator(self.accelerator, model)
@@ -114,6 +143,20 @@ class HybridEPTrainer(Trainer):
                 os.makedirs(self.args.output_dir, exist_ok=True)
                 append_jsonl(os.path.join(self.args.output_dir, JSONL_NAME), self.state.global_step, report)
         super().log(logs, *args, **kwargs)
+
+    def _build_accelerator_args(self, **kwargs):
+        """DDP's ``find_unused_parameters`` only when the model can leave dense parameters unused (the
+        experts are on DDP's ignore list); transformers turns it on for every model, which costs an extra
+        traversal of the autograd graph each step. ``--ddp_find_unused_parameters`` still decides when given."""
+        args = super()._build_accelerator_args(**kwargs)
+        if self.args.ddp_find_unused_parameters is None:
+            reason = may_leave_parameters_unused(self.model)
+            for handler in args.get("kwargs_handlers", []):
+                if type(handler).__name__ == "DistributedDataParallelKwargs":
+                    handler.find_unused_parameters = reason is not None
+            logger.info("DDP find_unused_parameters=%s (%s)", reason is not None,
+                        reason or "every dense parameter takes part in every forward")
+        return args
 
     @property
     def hybrid_model(self) -> nn.Module:
