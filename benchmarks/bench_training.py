@@ -54,6 +54,8 @@ PREFIX = "hbep-"  # every namespace and link this script creates starts with thi
 # two AdamW moments (4) plus half a replica for activations and communication buffers. A pure-DP rank needs the
 # 4 replicas of state plus its gradient all-reduce buffers and activations, so it does not fit.
 AUTO_BUDGET_REPLICAS = 4.5
+# Every arm steps the same optimizer implementation (torch's fused AdamW kernel, CPU and CUDA).
+OPTIMIZER = {"fused": True}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,6 +97,9 @@ def default_runs(world: int) -> list[RunSpec]:
     runs += [RunSpec(f"hybrid-dp2-ep{world // 2}-zero1", "hybrid", 2, world // 2, {"optimizer_sharding": "zero1"}),
              RunSpec(f"hybrid-dp2-ep{world // 2}-fsdp-zero1", "hybrid", 2, world // 2,
                      {"optimizer_sharding": "zero1", "dense_sharding": "fsdp"})]
+    # Communication overlap (issue 16): every hybrid variant also with the blocking reduction, side by side.
+    runs += [dataclasses.replace(r, name=f"{r.name}-blocking", config={**r.config, "overlap_grad_reduce": False})
+             for r in runs if r.engine == "hybrid"]
     runs.append(RunSpec(f"hf-native-fsdp{world}-ep{world}", "hf-native", world, world,
                         {"fsdp_size": world, "ep_size": world}))
     if world % 2 == 0 and world >= 4:  # HSDP: replicated across the two nodes, FSDP + EP inside a node
@@ -447,7 +452,7 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
         rec["traceback_tail"] = (bad.get("traceback") or "")[-1500:]
         rec["failed_phase"] = bad.get("phase")
         for key in ("samples_per_s", "tokens_per_s", "comm_fraction", "a2a_bytes_per_step", "allreduce_bytes_per_step",
-                    "inter_node_bytes_per_step"):
+                    "inter_node_bytes_per_step", "exposed_comm_fraction", "exposed_comm_s_per_step"):
             rec[key] = None
         known = [r for r in ranks if "param_bytes" in r]
         rec["param_bytes_per_rank"] = max(r["param_bytes"] for r in known) if known else None
@@ -486,6 +491,14 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
         "inter_node_non_a2a_wire_bytes_per_step": (round((inter - sum(r["a2a_inter_bytes"] for r in ranks)) / steps)
                                                    if inter is not None else None),
         "comm_fraction": max(r["comm_fraction"] for r in ranks),
+        # exposed communication: the training thread blocked in collectives or Work.wait(), per step, over the
+        # step time of the slowest rank (the worst rank's figure)
+        "exposed_comm_s_per_step": max(r["blocked_s"] for r in ranks) / steps,
+        "exposed_comm_fraction": max(r["blocked_s"] for r in ranks) / steps / step_s,
+        "exposed_comm_by_op_s_per_step": {k: round(max(r["blocked_by_op"].get(k, 0.0) for r in ranks) / steps, 4)
+                                          for k in sorted({k for r in ranks for k in r["blocked_by_op"]})},
+        "backward_after_first_bucket_s": (statistics.median(r["engine_counters"]["ready_to_end_s_per_step"]
+                                                            for r in ranks) if ranks[0].get("engine_counters") else None),
         "comm_seconds_by_op": ranks[0]["comm_seconds_by_op"],
         "profiled_step_s": ranks[0]["profiled_step_s"],
         "profile_top_ops": ranks[0]["profile_top_ops"],
@@ -545,6 +558,19 @@ class CollectiveMeter:
     def reset(self) -> None:
         self.a2a_remote = self.a2a_intra = self.a2a_inter = self.reduce = 0
         self.by_op: dict[str, int] = defaultdict(int)
+        self.blocked_s = 0.0  # training thread inside a collective call or a ``Work.wait()``
+        self.blocked_by_op: dict[str, float] = defaultdict(float)
+
+    def timed(self, name: str, fn, *a, **k):
+        """Call a collective, timing the call and (for ``async_op=True``) the returned handle's ``wait()``."""
+        t = time.perf_counter()
+        try:
+            out = fn(*a, **k)
+        finally:
+            dt = time.perf_counter() - t
+            self.blocked_s += dt
+            self.blocked_by_op[name] += dt
+        return _TimedWork(out, self, name) if out is not None and hasattr(out, "wait") else out
 
     def _a2a(self, tensor, out_splits, in_splits, group, times: int = 1) -> None:
         import torch.distributed as dist
@@ -577,7 +603,8 @@ class CollectiveMeter:
 
         def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *a, **k):
             meter._a2a(input, output_split_sizes, input_split_sizes, group)
-            return orig_a2a(output, input, output_split_sizes, input_split_sizes, group, *a, **k)
+            name = "all_to_all" if input.is_floating_point() else "all_to_all_counts"
+            return meter.timed(name, orig_a2a, output, input, output_split_sizes, input_split_sizes, group, *a, **k)
 
         dist.all_to_all_single = all_to_all_single
         for name in self.REDUCE_NAMES:
@@ -590,7 +617,7 @@ class CollectiveMeter:
                 b = max(sizes, default=0)
                 meter.reduce += b
                 meter.by_op[__name] += b
-                return __orig(*a, **k)
+                return meter.timed(__name, __orig, *a, **k)
 
             setattr(dist, name, wrapped)
         try:
@@ -601,10 +628,32 @@ class CollectiveMeter:
 
         def all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, group, *a, **k):
             meter._a2a(input, output_split_sizes, input_split_sizes, group, times=2 if input.requires_grad else 1)
-            return orig_auto(input, output_split_sizes, input_split_sizes, group, *a, **k)
+            # functional collective: the wait happens at first use, inside other ops (and its backward in C++),
+            # so only the call itself is timed here
+            return meter.timed("all_to_all_functional", orig_auto, input, output_split_sizes, input_split_sizes,
+                               group, *a, **k)
 
         hf_ep.all_to_all_single_autograd = all_to_all_single_autograd
         hf_ep.all_to_all_single = all_to_all_single
+
+
+class _TimedWork:
+    """A collective's handle whose ``wait()`` is timed by the meter (everything else passes through)."""
+
+    def __init__(self, work, meter: CollectiveMeter, name: str) -> None:
+        self._work, self._meter, self._name = work, meter, name
+
+    def wait(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return self._work.wait(*a, **k)
+        finally:
+            dt = time.perf_counter() - t
+            self._meter.blocked_s += dt
+            self._meter.blocked_by_op[self._name + ".wait"] += dt
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 def _local(t):
@@ -633,14 +682,14 @@ def _build(spec: dict, ckpt: str, step: dict, notes: list[str]):
         cfg = hep.HybridEPConfig(dp_degree=spec["dp"], ep_degree=spec["ep"], **spec["config"])
         model = hep.from_pretrained(ckpt, cfg)
         model.train()
-        opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=step["lr"])  # zero1 when configured
+        opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=step["lr"], **OPTIMIZER)  # zero1 if set
         return model, opt, lambda: hep.clip_grad_norm_(model, step["max_grad_norm"]), lambda: hep.no_sync(model)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=step["lr"])
+        opt = torch.optim.AdamW(model.parameters(), lr=step["lr"], **OPTIMIZER)
         return (model, opt, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), step["max_grad_norm"]),
                 model.no_sync)
     if engine == "hf-native":
@@ -649,7 +698,7 @@ def _build(spec: dict, ckpt: str, step: dict, notes: list[str]):
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(**spec["config"]))
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=step["lr"], foreach=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=step["lr"], **OPTIMIZER)
 
 
         @contextlib.contextmanager
@@ -759,6 +808,7 @@ def worker(job_path: str) -> None:
         rec["step_times"] = times
         rec["a2a_remote_bytes"], rec["a2a_intra_bytes"], rec["a2a_inter_bytes"] = meter.a2a_remote, meter.a2a_intra, meter.a2a_inter
         rec["reduce_bytes"], rec["bytes_by_op"] = meter.reduce, dict(meter.by_op)
+        rec["blocked_s"], rec["blocked_by_op"] = meter.blocked_s, dict(meter.blocked_by_op)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0 and c0:
             rec["counters"] = {k: c1[k] - c0[k] for k in c0}
         if spec["engine"] == "hybrid":
@@ -770,6 +820,8 @@ def worker(job_path: str) -> None:
                     for p in ("dispatch", "combine", "dispatch_backward", "combine_backward")) // step["steps"],
                 "allreduce_dense_bytes_per_step": red["dense_bytes"] // step["steps"],
                 "allreduce_expert_bytes_per_step": red["expert_bytes"] // step["steps"],
+                "ready_to_end_s_per_step": red["ready_to_end_s"] / step["steps"],
+                "buckets_launched_in_backward_per_step": red["buckets_launched_in_backward"] / step["steps"],
             }
         # one profiled step: time with a gloo collective in flight, and where the rest goes. Memory figures are
         # taken before it, and the limit lifted for it: the profiler's own event records are not training.
@@ -915,11 +967,51 @@ def goals(runs: list[dict]) -> dict[str, Any]:
     return out
 
 
+def overlap_goals(runs: list[dict], fabrics: dict[str, dict]) -> dict[str, Any]:
+    """Issue 16 point 7, as measured (reported whether met or not): overlap vs the blocking path of the same
+    layout, exposed link time of two-node hybrid against what overlap can hide, and ours vs native EP."""
+    out: dict[str, Any] = {}
+    for fabric in sorted({r["fabric"] for r in runs}):
+        rs = {r["name"]: r for r in runs if r["fabric"] == fabric and r["feasible"]}
+        g: dict[str, Any] = {"overlap_vs_blocking": {
+            name: r["samples_per_s"] / rs[name + "-blocking"]["samples_per_s"]
+            for name, r in rs.items() if name + "-blocking" in rs}}
+        world = max((r["dp"] * r["ep"] for r in rs.values() if r["engine"] == "hybrid"), default=0)
+        ep_name = f"ep{world}"
+        if ep_name in g["overlap_vs_blocking"]:
+            g["goal_pure_ep_overlap_ge_0.95x_blocking"] = g["overlap_vs_blocking"][ep_name] >= 0.95
+        hybrid = rs.get(f"hybrid-dp2-ep{world // 2}")
+        if fabric == "two-node" and hybrid is not None:
+            rate = fabrics.get(fabric, {}).get("measured_gbit")
+            link_s = hybrid["inter_node_bytes_per_step"] * 8 / (rate * 1e9) if rate else None
+            b = hybrid.get("backward_after_first_bucket_s")
+            g["hybrid_L_link_s"], g["hybrid_B_backward_after_first_bucket_s"] = link_s, b
+            g["hybrid_exposed_comm_s"] = hybrid["exposed_comm_s_per_step"]
+            if link_s is not None and b is not None:
+                allowed = 1.2 * max(0.0, link_s - b)
+                g["hybrid_exposed_allowed_s"] = allowed
+                g["goal_hybrid_exposed_le_1.2x_(L-B)"] = hybrid["exposed_comm_s_per_step"] <= allowed
+            ratio = g["overlap_vs_blocking"].get(hybrid["name"])
+            if ratio is not None:
+                g["goal_two_node_hybrid_overlap_ge_1.15x_blocking"] = ratio >= 1.15
+        limited = [r for r in rs.values() if r.get("mem_limited", True)]
+        ours = [r for r in limited if r["engine"] == "hybrid"]
+        native = [r for r in limited if r["engine"] == "hf-native"]
+        if ours and native:
+            best, top = (max(x, key=lambda r: r["samples_per_s"]) for x in (ours, native))
+            g["ours_best"], g["native_best"] = best["name"], top["name"]
+            g["ours_best_vs_native_best"] = best["samples_per_s"] / top["samples_per_s"]
+            g["goal_ours_ge_1.5x_native"] = g["ours_best_vs_native_best"] >= 1.5
+        out[fabric] = g
+    return out
+
+
 def table(runs: list[dict]) -> str:
     mib = lambda b: "–" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     lines = ["| fabric | run | dp×ep | feasible | samples/s | tokens/s | param MiB/rank | param+grad+opt MiB/rank | "
-             "peak RSS MiB/rank | a2a MiB/step (inter) | grad-sync MiB/step | inter-node wire MiB/step | comm fraction |",
-             "|" + "---|" * 13]
+             "peak RSS MiB/rank | a2a MiB/step (inter) | grad-sync MiB/step | inter-node wire MiB/step | comm in flight | "
+             "exposed comm |",
+             "|" + "---|" * 14]
     for r in runs:
         if r["feasible"]:
             state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
@@ -928,10 +1020,10 @@ def table(runs: list[dict]) -> str:
                 f"{r['tokens_per_s']:.0f} | {mib(r['param_bytes_per_rank'])} | {mib(state)} | "
                 f"{mib(r['peak_rss_bytes_per_rank'])} | {mib(r['a2a_bytes_per_step'])} "
                 f"({mib(r['a2a_inter_node_bytes_per_step'])}) | {mib(r['allreduce_bytes_per_step'])} | "
-                f"{mib(r['inter_node_bytes_per_step'])} | {r['comm_fraction']:.2f} |")
+                f"{mib(r['inter_node_bytes_per_step'])} | {r['comm_fraction']:.2f} | {r['exposed_comm_fraction']:.2f} |")
         else:
             lines.append(f"| {r['fabric']} | {r['name']} | {r['dp']}×{r['ep']} | **no** ({r['status']}) | – | – | "
-                         f"{mib(r['param_bytes_per_rank'])} | – | {mib(r['peak_rss_bytes_per_rank'])} | – | – | – | – |")
+                         f"{mib(r['param_bytes_per_rank'])} | – | {mib(r['peak_rss_bytes_per_rank'])} | – | – | – | – | – |")
     return "\n".join(lines)
 
 
@@ -980,6 +1072,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--fabrics", default="flat,two-node")
     parser.add_argument("--runs", default="", help="comma-separated run names (default: all)")
+    parser.add_argument("--hybrid-config", default="{}",
+                        help='JSON of HybridEPConfig fields added to every hybrid run, e.g. \'{"bucket_size_mb": 5}\'')
     parser.add_argument("--no-netns", action="store_true", help="flat fabric in the host namespace (no root)")
     parser.add_argument("--inter-node-gbit", type=float, default=1.0)
     parser.add_argument("--inter-node-latency-ms", type=float, default=0.5)
@@ -1013,6 +1107,8 @@ def main(argv: list[str] | None = None) -> None:
     step = StepArgs(batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, warmup=warmup, steps=steps,
                     grad_accum=args.grad_accum, mem_budget_bytes=budget)
     specs = default_runs(args.world)
+    extra = json.loads(args.hybrid_config)
+    specs = [dataclasses.replace(r, config={**extra, **r.config}) if r.engine == "hybrid" else r for r in specs]
     if args.runs:
         wanted = args.runs.split(",")
         unknown = set(wanted) - {s.name for s in specs}
@@ -1020,7 +1116,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown run names {sorted(unknown)}; known: {[s.name for s in specs]}")
         specs = [s for s in specs if s.name in wanted]
     report: dict[str, Any] = {"runs": [], "machine": machine_info(), "model": dataclasses.asdict(model_args) | sizes,
-                              "step": dataclasses.asdict(step), "fabrics": {}}
+                              "step": dataclasses.asdict(step), "fabrics": {},
+                              "optimizer": {"class": "torch.optim.AdamW", "lr": step.lr, **OPTIMIZER,
+                                            "note": "the same settings for every arm"}}
     started = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the namespaces are removed
     if os.geteuid() == 0 and shutil.which("ip"):
@@ -1049,6 +1147,7 @@ def main(argv: list[str] | None = None) -> None:
     failures = check_param_formula(report["runs"], sizes)
     report["param_bytes_formula"] = {"ok": not failures, "failures": failures}
     report["goals"] = goals(report["runs"])
+    report["overlap_goals"] = overlap_goals(report["runs"], report["fabrics"])
     tmp = args.json + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)
@@ -1059,6 +1158,7 @@ def main(argv: list[str] | None = None) -> None:
               f"layers; world {args.world}; two-node link {args.inter_node_gbit} Gbit/s")
     print(table(report["runs"]))
     print(json.dumps(report["goals"], indent=1))
+    print(json.dumps(report["overlap_goals"], indent=1))
     print(f"parameter bytes = dense + experts/ep on every hybrid rank: {'yes' if not failures else failures}")
     print(f"elapsed {report['elapsed_s']:.0f} s")
     if failures:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -45,10 +46,14 @@ class ReducerStats:
     expert_bytes: int = 0
     buckets_launched_in_backward: int = 0  # launched by a gradient hook, while backward still ran
     buckets_launched_at_end: int = 0  # launched by the end-of-backward callback (or blocking)
+    # seconds from the moment the first bucket had all its gradients to the end of backward, summed: the
+    # compute that communication can hide behind (with or without overlap)
+    ready_to_end_s: float = 0.0
 
     def reset(self) -> None:
         self.reductions = self.dense_bytes = self.expert_bytes = 0
         self.buckets_launched_in_backward = self.buckets_launched_at_end = 0
+        self.ready_to_end_s = 0.0
 
 
 @dataclass
@@ -127,6 +132,7 @@ class GradientReducer:
         self._buckets_of: dict[int, list[FlatBucket]] = {}
         self._queued = False
         self._holding = False
+        self._first_ready: float | None = None
         self._dense_ids = {id(p) for p in dense}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -232,12 +238,13 @@ class GradientReducer:
             return
         if not self._queued:
             self._begin_backward()
-        if not self.overlap:
-            return
         for b in self._buckets_of.get(id(param), ()):
-            if b.work is None and not b.launched:
+            if not b.launched:
                 b.waiting.discard(id(param))
-        self._launch_ready()
+                if not b.waiting and self._first_ready is None:
+                    self._first_ready = time.perf_counter()
+        if self.overlap:
+            self._launch_ready()
 
     def _begin_backward(self) -> None:
         self._queued = True
@@ -245,6 +252,7 @@ class GradientReducer:
         for hook in self.on_backward_start:
             hook()
         self._holding = bool(self.hold_expert_buckets and self.hold_expert_buckets())
+        self._first_ready = None
         for b in self.active_buckets():
             if b.grad_buffer is None:
                 b.allocate_grad_buffer()
@@ -303,6 +311,8 @@ class GradientReducer:
 
     def _end_backward(self) -> None:
         self._queued = False
+        if self._first_ready is not None:
+            self.stats.ready_to_end_s += time.perf_counter() - self._first_ready
         self.reduce(_in_backward=True)
 
     @torch.no_grad()

@@ -332,7 +332,8 @@ def comm_stats(model: nn.Module) -> dict[str, dict]:
     r = state.reducer.stats
     out["gradient_reduction"] = {"reductions": r.reductions, "dense_bytes": r.dense_bytes, "expert_bytes": r.expert_bytes,
                                  "buckets_launched_in_backward": r.buckets_launched_in_backward,
-                                 "buckets_launched_at_end": r.buckets_launched_at_end}
+                                 "buckets_launched_at_end": r.buckets_launched_at_end,
+                                 "ready_to_end_s": r.ready_to_end_s}
     return out
 
 

@@ -280,7 +280,8 @@ def shard_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer]
 
 def fast_implementation(optimizer_cls: type[torch.optim.Optimizer], params, **kwargs) -> dict[str, bool]:
     """``{"fused": True}`` where ``optimizer_cls`` has a fused kernel for these parameters' device and dtypes,
-    else ``{"foreach": True}`` where it takes that flag, else ``{}``; nothing when ``kwargs`` already choose.
+    else ``{"foreach": True}`` where it takes that flag, else ``{}``; nothing when ``kwargs`` already choose,
+    or when DTensor (FSDP2) and plain parameters are mixed (the multi-tensor kernels refuse those).
 
     torch's default on CPU is the per-tensor loop (for AdamW on one 32.5 M-parameter rank, 0.155 s vs
     0.048 s fused, single-threaded); the Trainer already defaults to ``adamw_torch_fused``.
@@ -291,9 +292,12 @@ def fast_implementation(optimizer_cls: type[torch.optim.Optimizer], params, **kw
 
     if "fused" in kwargs or "foreach" in kwargs:
         return {}
+    from .mesh import is_dtensor
     accepted = inspect.signature(optimizer_cls.__init__).parameters
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     floating = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+    if len({is_dtensor(t) for t in tensors}) > 1:  # FSDP2 dense weights beside plain experts: the kernels refuse
+        return {}
     if "fused" in accepted and tensors and all(
         t.dtype in floating and t.device.type in _get_fused_kernels_supported_devices() for t in tensors
     ):

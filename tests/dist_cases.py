@@ -254,7 +254,16 @@ def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = t
     got, want = getattr(out, key), getattr(ref_out, key)[lo:hi]
     stats = hep.comm_stats(model)
     remote = sum(v["dispatch"]["remote_rows_sent"] for k, v in stats.items() if k != "gradient_reduction")
-    return {"rel": _rel(got, want), "layers": len(hep.state_of(model).layers), "remote_rows": remote}
+    spread = None
+    if dtype != torch.float32:  # the round-off of equally correct computations in this dtype, measured
+        alt = copy.deepcopy(ref)
+        alt.set_experts_implementation("batched_mm")
+        with torch.no_grad():
+            alternatives = [getattr(ref(**_rank_slice(batch, rank)), key),  # this rank's sequences alone
+                            getattr(alt(**batch), key)[lo:hi]]  # another GEMM kernel for the experts
+        values = [want, *alternatives]
+        spread = max(_rel(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
+    return {"rel": _rel(got, want), "spread": spread, "layers": len(hep.state_of(model).layers), "remote_rows": remote}
 
 
 def parameter_bytes(model_type: str, dp: int, ep: int, num_experts: int) -> dict:

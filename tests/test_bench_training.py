@@ -43,3 +43,6 @@ def test_bench_training_run_layout_flat(tmp_path):
     assert rec["a2a_inter_node_bytes_per_step"] == 0  # one node
     assert rec["collective_bytes_by_op_per_step"]["all_reduce"] >= engine["allreduce_dense_bytes_per_step"] > 0
     assert 0 < rec["comm_fraction"] < 1
+    # exposed communication: time blocked in collectives or their waits, a part of the step
+    assert 0 < rec["exposed_comm_fraction"] < 1 and rec["exposed_comm_s_per_step"] > 0
+    assert rec["backward_after_first_bucket_s"] > 0

@@ -112,11 +112,13 @@ def test_gradient_checkpointing_recomputes_the_exchange(pools):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_bf16_forward(pools, family):
     # DeepSeek-V3 and GPT-OSS pass fp32 routing weights with bf16 hidden states; the combine must
-    # weight and sum in the same dtypes as transformers. One bf16 ulp is 2**-8 ≈ 3.9e-3.
+    # weight and sum in the same dtypes as transformers. Bound: the parity criterion's safety factor times
+    # the measured bf16 spread of equally correct single-process computations (this rank's sequences
+    # alone; the experts through batched_mm).
     import torch
 
     for r in pools(2).run(cases.forward_parity, family, 4, torch.bfloat16):
-        assert r["rel"] <= 4e-3, r
+        assert r["rel"] <= parity.SAFETY * r["spread"], r
 
 
 def test_inf_norm_clipping(pools):

@@ -379,8 +379,10 @@ class TorchDispatcher:
         return _GatherTokens.apply(hidden, order, num_sent, top_k)
 
     def _unpermute_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        if handle.num_dropped == 0 and back.shape[0] > 0:
+        exact = torch.promote_types(back.dtype, top_k_weights.dtype) in (torch.float32, torch.float64)
+        if exact and handle.num_dropped == 0 and back.shape[0] > 0:
             return _WeightedGather.apply(back, top_k_weights, handle.position, handle.order)
+        # low precision: round the products, then their sum, in the promoted dtype, as transformers does
         if handle.num_dropped:  # dropped pairs contribute zero: their rows sort last
             back = torch.cat([back, back.new_zeros((handle.num_dropped, back.shape[1]))])
         per_pair = back[handle.position] * top_k_weights.reshape(-1, 1)
