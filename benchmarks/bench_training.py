@@ -559,18 +559,22 @@ class CollectiveMeter:
         self.a2a_remote = self.a2a_intra = self.a2a_inter = self.reduce = 0
         self.by_op: dict[str, int] = defaultdict(int)
         self.blocked_s = 0.0  # training thread inside a collective call or a ``Work.wait()``
+        self.depth = 0
         self.blocked_by_op: dict[str, float] = defaultdict(float)
 
     def timed(self, name: str, fn, *a, **k):
-        """Call a collective, timing the call and (for ``async_op=True``) the returned handle's ``wait()``."""
+        """Call a collective, timing the call (its handle's ``wait()`` is timed by the patched ``Work.wait``)."""
         t = time.perf_counter()
+        self.depth += 1  # a blocking call waits on its own handle inside: counted once, here
         try:
             out = fn(*a, **k)
         finally:
+            self.depth -= 1
             dt = time.perf_counter() - t
-            self.blocked_s += dt
-            self.blocked_by_op[name] += dt
-        return _TimedWork(out, self, name) if out is not None and hasattr(out, "wait") else out
+            if self.depth == 0:
+                self.blocked_s += dt
+                self.blocked_by_op[name] += dt
+        return out
 
     def _a2a(self, tensor, out_splits, in_splits, group, times: int = 1) -> None:
         import torch.distributed as dist
@@ -600,6 +604,21 @@ class CollectiveMeter:
 
         meter = self
         orig_a2a = dist.all_to_all_single
+        work_cls = torch._C._distributed_c10d.Work
+        orig_wait = work_cls.wait
+
+        def wait(work, *a, **k):  # every asynchronous collective's wait, whoever launched it
+            if meter.depth:
+                return orig_wait(work, *a, **k)
+            t = time.perf_counter()
+            try:
+                return orig_wait(work, *a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                meter.blocked_s += dt
+                meter.blocked_by_op["Work.wait"] += dt
+
+        work_cls.wait = wait
 
         def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *a, **k):
             meter._a2a(input, output_split_sizes, input_split_sizes, group)
@@ -635,25 +654,6 @@ class CollectiveMeter:
 
         hf_ep.all_to_all_single_autograd = all_to_all_single_autograd
         hf_ep.all_to_all_single = all_to_all_single
-
-
-class _TimedWork:
-    """A collective's handle whose ``wait()`` is timed by the meter (everything else passes through)."""
-
-    def __init__(self, work, meter: CollectiveMeter, name: str) -> None:
-        self._work, self._meter, self._name = work, meter, name
-
-    def wait(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return self._work.wait(*a, **k)
-        finally:
-            dt = time.perf_counter() - t
-            self._meter.blocked_s += dt
-            self._meter.blocked_by_op[self._name + ".wait"] += dt
-
-    def __getattr__(self, name: str):
-        return getattr(self._work, name)
 
 
 def _local(t):

@@ -63,8 +63,8 @@ class InputAgreement:
         if self.problem is not None:
             table[self.mesh.rank] = torch.tensor([1, *self.problem], dtype=torch.long)
         self._table = table
-        if self.mesh.world_group is not None:
-            self._work = dist.all_reduce(table, group=self.mesh.world_group, async_op=True)
+        if self.mesh.world_group is not None:  # the reduction group: the token exchange never queues behind it
+            self._work = dist.all_reduce(table, group=self.mesh.reduction_group, async_op=True)
 
     def finish(self) -> None:
         """Complete the agreement; raise ``FloatingPointError`` on every rank if any rank saw a problem."""

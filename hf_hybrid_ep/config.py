@@ -142,7 +142,7 @@ class HybridEPConfig:
     overlap_degree: int = 1
     overlap_shared_expert: bool = False
     overlap_grad_reduce: bool = True
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: float = 8.0
     expert_alignment: int = 1
     router_temperature: float | None = None
     capacity_factor: float | None = None

@@ -97,7 +97,7 @@ class GradientReducer:
         holder_groups: list[ExpertBucket],
         expert_norm_weights: list[tuple[nn.Parameter, torch.Tensor]],
         reduce_dense: bool = True,
-        bucket_bytes: int = 25 * 2**20,
+        bucket_bytes: int = 8 * 2**20,
         overlap: bool = True,
     ) -> None:
         self.mesh = mesh
@@ -110,7 +110,7 @@ class GradientReducer:
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
         # Dense gradients are averaged over this group (the world); a test swaps it to inject a fault.
-        self.dense_group, self.dense_group_size = mesh.world_group, mesh.world_size
+        self.dense_group, self.dense_group_size = mesh.reduction_group, mesh.world_size
         self.enabled = True
         # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
         self.sync_predicate: Callable[[], bool] | None = None
@@ -187,7 +187,7 @@ class GradientReducer:
             if not p.requires_grad or is_dtensor(p):
                 continue
             if id(p) in self._dense_ids:
-                homes: list[ExpertHome] = [(world, self.mesh.world_group, None)]
+                homes: list[ExpertHome] = [(world, self.mesh.reduction_group, None)]
                 kind = "dense"
             elif id(p) in self.expert_homes:
                 homes, kind = self.expert_homes[id(p)], "expert"

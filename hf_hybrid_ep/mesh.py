@@ -38,6 +38,10 @@ class HybridMesh:
     device_mesh: DeviceMesh | None
     topology: Topology | None = None
     layout: GroupLayout | None = None  # where the EP groups sit, when a topology is known
+    # A process group over the whole world of its own, for the asynchronous dense-gradient buckets: gloo runs
+    # one group's collectives in order, so the token exchange (whose group is the world when ep = W) must not
+    # queue behind a bucket in flight.
+    reduction_group: dist.ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:
@@ -78,7 +82,7 @@ class HybridMesh:
         if ranks == edp:
             return self.edp_group
         if len(ranks) == self.world_size:
-            return self.world_group
+            return self.reduction_group
         key = (id(dist.group.WORLD), *ranks)
         if key not in _GROUP_CACHE:
             _GROUP_CACHE[key] = dist.new_group(list(ranks))
@@ -115,7 +119,8 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
     key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo)  # a new world gets new groups
     if key not in _MESH_CACHE:
         mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("dp", "ep"))
-        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, layout)
+        reduction = dist.new_group(list(range(world)))
+        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, layout, reduction)
     return _MESH_CACHE[key]
 
 

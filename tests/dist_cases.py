@@ -107,7 +107,7 @@ def train_parity(
     seq: int = SEQ,
     load_from: str | None = None,
     fault: str | None = None,
-    bucket_size_mb: float = 25.0,
+    bucket_size_mb: float = 8.0,
     overlap_grad_reduce: bool = True,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
