@@ -16,7 +16,6 @@ from torch import nn
 from .agreement import InputAgreement, input_flags
 from .config import HybridEPConfigError
 from .dispatch import CommStats, PlacementTable, make_dispatcher
-from .dispatch.alltoall import PendingExchange
 from .mesh import HybridMesh, all_gather_flat
 from .routing import apply_capacity
 
@@ -274,32 +273,32 @@ class ExpertParallelLayer:
     def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                            shadow_slot_of: torch.Tensor | None, control: torch.Tensor) -> torch.Tensor:
         """Split the tokens into ``overlap_degree`` chunks, all planned by one counts exchange. The token
-        exchange of chunk i+1 runs (asynchronously) while the experts of chunk i compute, and every chunk's
-        return exchange is asynchronous too, waited for only after the last chunk's experts. Every rank runs
-        the same number of chunks (a chunk may be empty), so the collectives pair up in the same order."""
+        exchange of chunk i+1 runs while the experts of chunk i compute, and every chunk's return exchange
+        is waited for only after the last chunk's experts. Both directions of every exchange are asynchronous
+        (:class:`~hf_hybrid_ep.dispatch.alltoall.AsyncExchange`), so in backward the experts of one chunk run
+        while the other chunks' gradients travel. Every rank runs the same number of chunks (a chunk may be
+        empty), so the collectives pair up in the same order everywhere."""
         chunks = self.overlap_degree
         bounds = [hidden.shape[0] * i // chunks for i in range(chunks + 1)]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         handles = self.dispatcher.plan_chunks(index, spans, shadow_slot_of, control)
         if self.agreement is not None and self.agreement.check(self.layer_id, handles[0].peer_control):
             return self._skipped(hidden)
-        pending = self.dispatcher.send(hidden[spans[0][0] : spans[0][1]], handles[0], async_op=True)
+        pending = self.dispatcher.send_async(hidden[spans[0][0] : spans[0][1]], handles[0])
         returns = []
         for i, (a, b) in enumerate(spans):
             following = None
             if i + 1 < chunks:
                 na, nb = spans[i + 1]
-                following = self.dispatcher.send(hidden[na:nb], handles[i + 1], async_op=True)
-            handles[i].wait()
-            expert_out = self._experts(pending, handles[i])
-            back_pending = PendingExchange()
-            returns.append((self.dispatcher.send_back(expert_out, handles[i], back_pending), back_pending,
+                following = self.dispatcher.send_async(hidden[na:nb], handles[i + 1])
+            rows, exchange = pending
+            expert_out = self._experts(exchange.wait(rows), handles[i])
+            returns.append((*self.dispatcher.send_back_async(expert_out, handles[i]),
                             self._shadow_experts(hidden[a:b], handles[i])))
             pending = following
         outputs = []
-        for (a, b), handle, (back, back_pending, shadow_out) in zip(spans, handles, returns, strict=True):
-            back_pending.wait()
-            outputs.append(self.dispatcher.finish_combine(back, weights[a:b], handle, shadow_out))
+        for (a, b), handle, (back, exchange, shadow_out) in zip(spans, handles, returns, strict=True):
+            outputs.append(self.dispatcher.finish_combine(exchange.wait(back), weights[a:b], handle, shadow_out))
         return torch.cat(outputs).to(hidden.dtype)
 
 

@@ -191,3 +191,48 @@ def shadow_refresh_costs(skew: bool) -> dict:
     held = sum(len(layer.shadows.experts) for layer in state.layers if layer.shadows is not None)
     return {"collectives": {f"{k[0]}@{k[1]}": v for k, v in sorted(counter.counts.items())}, "held": held,
             "params_per_layer": len(state.layers[0].param_names), "layers": len(state.layers)}
+
+
+def pipelined_backward_order(degree: int = 3) -> list[str]:
+    """The order of the chunked layer's backward exchanges: ``launch <phase> <chunk>`` when a reverse
+    exchange starts, ``wait <phase> <chunk>`` when its result is needed (world 2, ep 2)."""
+    from tiny_models import build_tiny_model
+
+    import hf_hybrid_ep as hep
+    from hf_hybrid_ep.dispatch import alltoall
+
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen3_moe", num_experts=4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size(), overlap_degree=degree))
+    layer = hep.state_of(model).layers[0]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(24, model.config.hidden_size, generator=g, requires_grad=True)
+    weights, index = torch.softmax(torch.randn(24, 4, generator=g), -1).topk(2, dim=-1)
+    names: dict[int, str] = {}
+    events: list[str] = []
+    launch_bwd, wait_bwd, launch_fwd = (alltoall._LaunchExchange.backward, alltoall._WaitExchange.backward,
+                                        alltoall._LaunchExchange.forward)
+
+    def name(e) -> str:
+        return names.setdefault(id(e), f"{e.phase} {sum(1 for n in names.values() if n.startswith(e.phase))}")
+
+    def forward(ctx, x, exchange):
+        name(exchange)
+        return launch_fwd(ctx, x, exchange)
+
+    def on_wait_grad(ctx, grad):  # the gradient of the wait launches the reverse exchange
+        events.append("launch " + name(ctx.exchange))
+        return wait_bwd(ctx, grad)
+
+    def on_launch_grad(ctx, grad):
+        events.append("wait " + name(ctx.exchange))
+        return launch_bwd(ctx, grad)
+
+    alltoall._LaunchExchange.forward = staticmethod(forward)
+    alltoall._WaitExchange.backward, alltoall._LaunchExchange.backward = staticmethod(on_wait_grad), staticmethod(on_launch_grad)
+    try:
+        layer.module(x, index, weights).square().sum().backward()
+    finally:
+        alltoall._LaunchExchange.forward = staticmethod(launch_fwd)
+        alltoall._WaitExchange.backward, alltoall._LaunchExchange.backward = staticmethod(wait_bwd), staticmethod(launch_bwd)
+    return events

@@ -34,3 +34,13 @@ def test_shadow_refresh_moves_nothing_when_no_rank_chose_a_shadow(pools):
     for r in pools(4).run(sync_counting.shadow_refresh_costs, True):
         exchanges = sum(v for k, v in r["collectives"].items() if "all_to_all" in k)
         assert exchanges == r["params_per_layer"] * r["layers"], r
+
+
+def test_chunked_layer_overlaps_its_backward_exchanges(pools):
+    # overlap_degree=3: every chunk's combine gradient is launched before the first is waited for, and a
+    # chunk's dispatch gradient travels while the previous chunk's experts run their backward
+    for events in pools(2).run(sync_counting.pipelined_backward_order, 3):
+        assert events[:3] == ["launch combine 2", "launch combine 1", "launch combine 0"], events
+        assert events.index("launch dispatch 2") < events.index("wait combine 1") < events.index("wait dispatch 2"), events
+        assert sorted(events) == sorted(f"{k} {p} {c}" for k in ("launch", "wait") for p in ("combine", "dispatch")
+                                        for c in range(3)), events

@@ -79,3 +79,86 @@ def all_to_all(
         ``[sum(recv_splits), ...]``, rows ordered by source rank. Gradients flow back by the reverse exchange.
     """
     return _AllToAll.apply(x, send_splits, recv_splits, group, stats, phase, self_index, pending)
+
+
+class AsyncExchange:
+    """An exchange split in two autograd nodes, so that both directions overlap computation.
+
+    Forward: :func:`all_to_all_async` launches the exchange and returns the (not yet filled) output; the
+    caller computes something else, then :meth:`wait` completes it. Backward runs the two nodes in reverse:
+    the gradient of :meth:`wait` *launches* the reverse exchange, and the gradient of the launch waits for
+    it. The autograd engine runs ready nodes latest-created first, so when several exchanges are waited
+    for after the work they overlap (the chunked layer waits for its return exchanges after the last
+    chunk's experts), every reverse exchange is launched before the first of them is waited for, and the
+    experts' backward of one chunk runs while the others are in flight.
+    """
+
+    def __init__(self, send_splits: list[int], recv_splits: list[int], group, stats, phase: str, self_index: int):
+        self.send_splits, self.recv_splits, self.group = send_splits, recv_splits, group
+        self.stats, self.phase, self.self_index = stats, phase, self_index
+        self.work = None  # forward exchange in flight
+        self.backward_work = None  # reverse exchange in flight, from ``backward_in`` into ``backward_out``
+        self.backward_in: torch.Tensor | None = None
+        self.backward_out: torch.Tensor | None = None
+
+    def wait(self, out: torch.Tensor) -> torch.Tensor:
+        """Complete the forward exchange; returns ``out`` (now valid), differentiably."""
+        return _WaitExchange.apply(out, self)
+
+
+class _LaunchExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, exchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        e = exchange
+        if e.stats is not None:
+            e.stats.record(e.phase, e.send_splits, e.recv_splits, e.self_index, x[0:1].numel() * x.element_size())
+        out = x.new_empty((sum(e.recv_splits), *x.shape[1:]))
+        if e.group is None:
+            out.copy_(x)
+        else:
+            e.work = dist.all_to_all_single(out, x.contiguous(), e.recv_splits, e.send_splits, group=e.group,
+                                            async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        e = ctx.exchange  # the gradient of the wait launched the reverse exchange into ``e.backward_out``
+        if e.backward_work is not None:
+            e.backward_work.wait()
+        back, e.backward_work, e.backward_out, e.backward_in = e.backward_out, None, None, None
+        return back, None
+
+
+class _WaitExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, exchange):  # type: ignore[override]
+        if exchange.work is not None:
+            exchange.work.wait()
+            exchange.work = None
+        ctx.exchange = exchange
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        e = ctx.exchange
+        if e.stats is not None:
+            e.stats.record(e.phase + "_backward", e.recv_splits, e.send_splits, e.self_index,
+                           grad[0:1].numel() * grad.element_size())
+        back = grad.new_empty((sum(e.send_splits), *grad.shape[1:]))
+        e.backward_in, e.backward_out = grad.contiguous(), back  # alive until the launch's gradient waits
+        if e.group is None:
+            back.copy_(grad)
+        else:
+            e.backward_work = dist.all_to_all_single(back, e.backward_in, e.send_splits, e.recv_splits,
+                                                     group=e.group, async_op=True)
+        return grad, None  # passed through: the launch's gradient returns the exchanged rows
+
+
+def all_to_all_async(
+    x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None, *,
+    stats: CommStats | None = None, phase: str = "dispatch", self_index: int = 0,
+) -> tuple[torch.Tensor, AsyncExchange]:
+    """Launch :func:`all_to_all` asynchronously in both directions; ``exchange.wait(out)`` before using ``out``."""
+    exchange = AsyncExchange(send_splits, recv_splits, group, stats, phase, self_index)
+    return _LaunchExchange.apply(x, exchange), exchange

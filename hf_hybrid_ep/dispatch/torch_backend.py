@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .alltoall import PendingExchange, all_to_all
+from .alltoall import AsyncExchange, PendingExchange, all_to_all, all_to_all_async
 from .stats import CommStats
 from .table import PlacementTable
 
@@ -312,6 +312,17 @@ class TorchDispatcher:
             overlap_with()
             pending.wait()
         return self.finish_combine(back, top_k_weights, handle, shadow_out)
+
+    def send_async(self, hidden: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, AsyncExchange]:
+        """The token exchange, asynchronous in forward and backward (``exchange.wait(rows)`` before use)."""
+        return all_to_all_async(self._permute(hidden, handle.order, handle.num_sent, handle.top_k), handle.send_splits,
+                                handle.recv_splits, self.ep_group, stats=self.stats, phase="dispatch",
+                                self_index=self.ep_rank)
+
+    def send_back_async(self, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, AsyncExchange]:
+        """The return exchange, asynchronous in forward and backward (``exchange.wait(back)`` before use)."""
+        return all_to_all_async(expert_out, handle.recv_splits, handle.send_splits, self.ep_group, stats=self.stats,
+                                phase="combine", self_index=self.ep_rank)
 
     def send_back(self, expert_out: torch.Tensor, handle: DispatchHandle, pending=None) -> torch.Tensor:
         """The return exchange (asynchronous when ``pending`` is given; valid after ``pending.wait()``)."""
