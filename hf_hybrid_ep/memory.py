@@ -3,7 +3,8 @@
 The same quantities :func:`hf_hybrid_ep.planner.rank_state_bytes` predicts; docs/memory.md states the
 formula. Only tensors this rank holds count: local shards of FSDP2 ``DTensor`` parameters, this rank's
 experts, the optimizer state of its ZeRO-1 shard. Not counted: activations, communication buffers
-(at most :data:`hf_hybrid_ep.zero.CHUNK_BYTES` × group size during a collective), FSDP's transient
+(the gradient buckets' buffers hold the gradients themselves; ZeRO-1 adds one shard of each bucket in
+flight), FSDP's transient
 all-gathered layers, and scalar optimizer state (Adam's ``step``: one 0-dim tensor per parameter).
 
     torchrun --nproc_per_node 4 -m hf_hybrid_ep.memory --dp 2 --ep 2 --optimizer-sharding zero1

@@ -375,6 +375,8 @@ class TorchDispatcher:
         if not self.grouped(module):
             unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
             return local_forward(module, rows, handle.local_slot.unsqueeze(1), unit)
+        if self.table.ep_degree == 1 and self.alignment == 1:  # one source: the rows are expert-major already
+            return grouped_experts(module, rows, handle.recv_counts[: module.num_experts])
         index, destination, sizes, _ = self.regroup_plan(handle, module.num_experts)
         grouped = self._gather_rows(rows, index, destination)
         out = grouped_experts(module, grouped, sizes)
