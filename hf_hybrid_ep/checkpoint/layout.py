@@ -8,9 +8,10 @@ architecture is refused here, before any file is written.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import HybridEPConfigError
@@ -21,21 +22,36 @@ from .safetensors_io import CheckpointError, TensorSpec
 
 @dataclass(frozen=True)
 class ModelExperts:
-    """Routed-expert facts of a model architecture."""
+    """Routed-expert facts of a model architecture, and the meta model they were read from."""
 
     model_type: str
     num_experts: int
     num_moe_layers: int
+    model: nn.Module = field(compare=False, repr=False)
 
 
-def _from_config(config: PretrainedConfig):
+def read_config(path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The transformers config of a checkpoint directory. Code a config names (``auto_map``) runs only
+    with ``trust_remote_code=True``; without it transformers' own class for the ``model_type`` is
+    used, or the config is refused — never a prompt.
+
+    Raises:
+        CheckpointError: naming the path.
+    """
     try:
-        return AutoModelForCausalLM.from_config(config)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot read a transformers config from {str(path)!r}: {err}") from err
+
+
+def _from_config(config: PretrainedConfig, trust_remote_code: bool = False):
+    try:
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError:
-        return AutoModel.from_config(config)
+        return AutoModel.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def build_meta_model(config: PretrainedConfig):
+def build_meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
     """The model for ``config`` with every parameter on the meta device: nothing is allocated, not
     even transiently (fused expert tensors of large models run to tens of GB per layer).
 
@@ -44,7 +60,7 @@ def build_meta_model(config: PretrainedConfig):
     persistent buffers are overwritten by the checkpoint anyway.
     """
     with torch.device("meta"):
-        model = _from_config(config)
+        model = _from_config(config, trust_remote_code)
     for module in model.modules():
         meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
         if not meta:
@@ -58,16 +74,14 @@ def build_meta_model(config: PretrainedConfig):
     return model
 
 
-def model_experts(config_or_path) -> ModelExperts:
-    """Expert count and MoE layer count of an architecture; raise for non-MoE or unsupported models."""
+def model_experts(config_or_path, trust_remote_code: bool = False) -> ModelExperts:
+    """Expert count and MoE layer count of an architecture (and its meta model, for checking a checkpoint
+    against it); raise for non-MoE or unsupported models."""
     config = config_or_path
     if not isinstance(config, PretrainedConfig):
-        try:
-            config = AutoConfig.from_pretrained(config_or_path)
-        except (OSError, ValueError, KeyError) as err:
-            raise CheckpointError(f"cannot read a transformers config from {str(config_or_path)!r}: {err}") from err
+        config = read_config(config_or_path, trust_remote_code)
     try:
-        model = build_meta_model(config)
+        model = build_meta_model(config, trust_remote_code)
         found = check_shardable(model)
     except HybridEPConfigError as err:
         raise CheckpointError(f"model_type {config.model_type!r}: {err}") from err
@@ -79,7 +93,7 @@ def model_experts(config_or_path) -> ModelExperts:
             f"model_type {config.model_type!r} has experts modules with different expert counts {counts}; "
             "the checkpoint format supports one expert count per model"
         )
-    return ModelExperts(config.model_type, counts[0], len(found))
+    return ModelExperts(config.model_type, counts[0], len(found), model)
 
 
 @dataclass(frozen=True)
@@ -93,8 +107,11 @@ class KeyRole:
 def classify_keys(specs: dict[str, TensorSpec], num_experts: int) -> dict[str, KeyRole]:
     """Classify every key and check that per-expert keys cover every expert of every tensor family.
 
+    A tensor directly under an ``experts`` module is fused and must be ``[num_experts, ...]``.
+
     Raises:
-        CheckpointError: naming a key whose expert id is out of range, or a missing expert.
+        CheckpointError: naming a key whose expert id is out of range, a tensor under an experts
+            module without the leading expert dimension (with its shape), or a missing expert.
     """
     roles: dict[str, KeyRole] = {}
     families: dict[tuple[str, str], set[int]] = defaultdict(set)
@@ -106,7 +123,12 @@ def classify_keys(specs: dict[str, TensorSpec], num_experts: int) -> dict[str, K
                 raise CheckpointError(f"key {key!r} names expert {expert}, but the model has {num_experts} experts")
             roles[key] = KeyRole("per_expert", expert)
             families[(match["prefix"], match["rest"])].add(expert)
-        elif key.split(".")[-2:-1] == ["experts"] and len(spec.shape) >= 1 and spec.shape[0] == num_experts:
+        elif key.split(".")[-2:-1] == ["experts"]:
+            if not spec.shape or spec.shape[0] != num_experts:
+                raise CheckpointError(
+                    f"key {key!r} of shape {tuple(spec.shape)} is under an experts module, but its leading "
+                    f"dimension is not the model's expert count {num_experts}"
+                )
             roles[key] = KeyRole("fused")
         else:
             roles[key] = KeyRole("dense")
