@@ -10,6 +10,9 @@ from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.inspect import format_summary, inspect_checkpoint
 from .config import HybridEPConfigError
 
+TRUST_REMOTE_CODE_HELP = ("run code the checkpoint's config names (auto_map); off by default: never run code "
+                          "from a download you have not read")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-hybrid-ep", description=__doc__)
@@ -25,12 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--max-shard-size-mb", type=int, default=5 * 1024, help="cap of dense and fused files")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the result to this repo")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
     p = sub.add_parser("reshard", help="rewrite a hybrid-EP checkpoint for another EP degree")
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--ep-degree", type=int, default=None)
     p.add_argument("--placement", default=None, help="placement.json (from `place`) or a JSON table of rows")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
     p = sub.add_parser("export", help="write a plain Hugging Face checkpoint in the original key format")
     p.add_argument("ckpt")
@@ -55,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-sharding", choices=["replicate", "fsdp"], default="replicate",
                    help="fsdp: dense weights, gradients and state FSDP2-sharded over the world")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
     from .placement import __doc__ as placement_model
 
@@ -84,15 +90,25 @@ def _read_placement(path: str | None) -> list[list[int]] | None:
     """Rows of a placement table from ``placement.json`` (its ``placement`` key) or a bare JSON list."""
     if path is None:
         return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise HybridEPConfigError(f"placement file {path!r} is not JSON: {err}") from err
-    rows = data.get("placement") if isinstance(data, dict) else data
-    if not isinstance(rows, list) or not all(isinstance(r, list) and all(isinstance(e, int) for e in r) for r in rows):
-        raise HybridEPConfigError(f"placement file {path!r} holds no table (a list of lists of expert ids)")
-    return rows
+    from .placement import read_placement_file
+
+    return read_placement_file(path)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numeric flags, naming the flag and the value, before any work."""
+    positive = {"ep_degree": "--ep-degree", "max_shard_size_mb": "--max-shard-size-mb", "gpus": "--gpus",
+                "micro_batch": "--micro-batch", "seq_len": "--seq-len"}
+    for name, flag in positive.items():
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise HybridEPConfigError(f"{flag} must be a positive integer, got {value}")
+    if getattr(args, "gpu_memory_gb", None) is not None and not args.gpu_memory_gb > 0:
+        raise HybridEPConfigError(f"--gpu-memory-gb must be a positive number, got {args.gpu_memory_gb}")
+    if getattr(args, "replicas", None) is not None and args.replicas < 0:
+        raise HybridEPConfigError(f"--replicas must be ≥ 0 (extra copies of hot experts), got {args.replicas}")
+    if getattr(args, "tolerance", None) is not None and not args.tolerance >= 0:
+        raise HybridEPConfigError(f"--tolerance must be a non-negative fraction, got {args.tolerance}")
 
 
 def _traffic_line(t: dict) -> str:
@@ -104,13 +120,18 @@ def _traffic_line(t: dict) -> str:
 
 
 def _place(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
     from .metrics import read_jsonl
     from .placement import RoutingStats, imbalance, place_report, rank_loads
     from .topology import Topology
 
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise HybridEPConfigError(f"--out {args.out!r} must be a file path in an existing directory")
     records = read_jsonl(args.stats)
     topo = Topology.parse(args.topology)
-    ep = args.ep_degree or topo.total_gpus or topo.gpus_per_node
+    ep = args.ep_degree if args.ep_degree is not None else topo.total_gpus or topo.gpus_per_node
     stats = RoutingStats.from_records(records)
     result = place_report(stats, ep, args.replicas, topo, args.tolerance)
     print(f"{len(records)} records, {stats.layers} MoE layers, {stats.num_experts} experts, top-{stats.top_k}; "
@@ -135,9 +156,6 @@ def _place(args: argparse.Namespace) -> None:
         layers[name] = {"imbalance_contiguous": imbalance(rank_loads(loads, contiguous)),
                         "imbalance_balanced": imbalance(rank_loads(loads, table))}
     result["layers"] = layers
-    from pathlib import Path
-
-    out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(out)
@@ -147,10 +165,12 @@ def _place(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_args(args)
         if args.command == "convert":
             out = convert_checkpoint(
                 args.src, args.out, ep_degree=args.ep_degree, dtype=args.dtype, revision=args.revision,
                 max_shard_bytes=args.max_shard_size_mb * 2**20, placement=_read_placement(args.placement),
+                trust_remote_code=args.trust_remote_code,
             )
             print(f"wrote {out}")
             if args.push_to_hub:
@@ -158,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(push_to_hub(out, args.push_to_hub))
         elif args.command == "reshard":
-            print(f"wrote {convert_checkpoint(args.ckpt, args.out, ep_degree=args.ep_degree, placement=_read_placement(args.placement))}")
+            out = convert_checkpoint(args.ckpt, args.out, ep_degree=args.ep_degree,
+                                     placement=_read_placement(args.placement),
+                                     trust_remote_code=args.trust_remote_code)
+            print(f"wrote {out}")
         elif args.command == "export":
             dropped = export_checkpoint(args.ckpt, args.out)
             print(f"wrote {args.out}")
@@ -170,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             if recipe == "fp32-sgd":
                 raise HybridEPConfigError("--precision fp32 --optimizer sgd is not a modelled recipe")
             result = plan(args.model, args.gpus, args.gpu_memory_gb, args.topology, args.micro_batch, args.seq_len,
-                          recipe, args.optimizer_sharding, args.dense_sharding)
+                          recipe, args.optimizer_sharding, args.dense_sharding,
+                          trust_remote_code=args.trust_remote_code)
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "place":
             _place(args)

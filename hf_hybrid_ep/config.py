@@ -28,6 +28,35 @@ class HybridEPConfigError(ValueError):
     """A hybrid-EP configuration that cannot work; the message names the offending values."""
 
 
+def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, Any]:
+    """The mapping a YAML file holds (its ``hybrid_ep:`` block if it has one).
+
+    Raises:
+        HybridEPConfigError: naming ``label`` and the file — missing, not UTF-8, a syntax error (with
+            ``file:line:column``), or not a mapping.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise HybridEPConfigError(f"{label} {str(path)!r} does not exist or is not a file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise HybridEPConfigError(f"{label} {str(path)!r} is not UTF-8 text (byte {err.start})") from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err)
+        raise HybridEPConfigError(f"{label} {where}: YAML syntax error: {problem}") from err
+    if isinstance(data, Mapping) and "hybrid_ep" in data:
+        data = data["hybrid_ep"]
+    if not isinstance(data, Mapping):
+        raise HybridEPConfigError(f"{label} {str(path)!r} must hold a mapping (optionally under 'hybrid_ep:'), "
+                                  f"got {type(data).__name__}")
+    return data
+
+
 def _env_value(name: str, default: Any) -> Any:
     """The environment twin ``HF_HYBRID_EP_<NAME>`` parsed like YAML ("2", "0.5", "true", "[[0, 1]]"),
     or ``None`` when unset. Typed by the field's default where that is a bool or a number."""
@@ -159,6 +188,7 @@ class HybridEPConfig:
     expert_cache_capacity: int = 1
     topology: str | None = None
     coactivation_stats: bool = False
+    verify_checksums: bool = True
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -193,17 +223,7 @@ class HybridEPConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> HybridEPConfig:
         """Read a YAML file holding a mapping of config keys (optionally under a ``hybrid_ep:`` key)."""
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise HybridEPConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        if isinstance(data, Mapping) and "hybrid_ep" in data:
-            data = data["hybrid_ep"]
-        if not isinstance(data, Mapping):
-            raise HybridEPConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml_mapping(path, "config file"))
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
@@ -274,6 +294,8 @@ class HybridEPConfig:
             Topology.parse(self.topology)
         if not isinstance(self.coactivation_stats, bool):
             raise HybridEPConfigError(f"coactivation_stats={self.coactivation_stats!r} must be true or false")
+        if not isinstance(self.verify_checksums, bool):
+            raise HybridEPConfigError(f"verify_checksums={self.verify_checksums!r} must be true or false")
 
     def selection_controls_on(self) -> bool:
         """Whether any control needs the router's selection rule to be replaced."""

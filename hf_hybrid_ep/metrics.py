@@ -17,12 +17,16 @@ off). Definitions, per layer over the window since the last report:
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import nn
 
+from .config import HybridEPConfigError
 from .parallelize import state_of
 
 JSONL_NAME = "expert_load.jsonl"
@@ -84,32 +88,129 @@ def append_jsonl(path: str | os.PathLike[str], step: int, report: dict[str, dict
         f.write(json.dumps({"step": step, "layers": report}) + "\n")
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+REPORT_KEYS = ("tokens_per_rank", "imbalance_expert", "imbalance_rank", "dropped_fraction", "dead_experts")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_counts(where: str, key: str, value: Any) -> int:
+    """A non-empty list of non-negative finite numbers; returns its length."""
+    if not isinstance(value, list) or not value:
+        raise HybridEPConfigError(f"{where}: {key} must be a non-empty list of token counts, got {value!r:.80}")
+    for i, x in enumerate(value):
+        if not _is_number(x):
+            raise HybridEPConfigError(f"{where}: {key}[{i}] = {x!r} is not a number")
+        if x < 0:
+            raise HybridEPConfigError(f"{where}: {key}[{i}] = {x!r} is negative; loads are token counts (≥ 0)")
+    return len(value)
+
+
+def check_records(records: Sequence[Any], where: Sequence[str] | None = None, layers: Iterable[str] | None = None,
+                  require: Iterable[str] = ()) -> int:
+    """Refuse malformed ``expert_load.jsonl`` records before anything is computed from them.
+
+    Every record needs a non-negative integer ``step`` and a non-empty ``layers`` mapping; every layer
+    (of ``layers``, all by default) a ``tokens_per_expert`` list of non-negative numbers of the same
+    length everywhere, an ``E × E`` non-negative ``coactivation`` if present, and the keys in
+    ``require``. Errors name the record (``where[i]``, e.g. ``file:line``), the layer and the key.
+
+    Returns:
+        The expert count ``E``.
+    """
+    if not records:
+        raise HybridEPConfigError("expert-load statistics hold no records")
+    where = list(where) if where is not None else [f"record {i}" for i in range(len(records))]
+    selected = None if layers is None else list(layers)
+    require = tuple(require)
+    experts: tuple[int, str] | None = None
+    ranks: tuple[int, str] | None = None
+    for record, at in zip(records, where, strict=True):
+        if not isinstance(record, Mapping):
+            raise HybridEPConfigError(f"{at}: a record must be a JSON object, got {type(record).__name__}")
+        for key in ("step", "layers"):
+            if key not in record:
+                raise HybridEPConfigError(f"{at}: key {key!r} is missing")
+        step = record["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise HybridEPConfigError(f"{at}: key 'step' must be a non-negative integer, got {step!r}")
+        if not isinstance(record["layers"], Mapping) or not record["layers"]:
+            raise HybridEPConfigError(f"{at}: key 'layers' must map MoE layer names to their statistics, "
+                                      f"got {record['layers']!r:.80}")
+        names = record["layers"] if selected is None else [n for n in selected if n in record["layers"]]
+        for name in names:
+            layer = record["layers"][name]
+            here = f"{at}: layer {name!r}"
+            if not isinstance(layer, Mapping):
+                raise HybridEPConfigError(f"{here}: statistics must be a JSON object, got {type(layer).__name__}")
+            for key in ("tokens_per_expert", *require):
+                if key not in layer:
+                    raise HybridEPConfigError(f"{here}: key {key!r} is missing")
+            E = _check_counts(here, "tokens_per_expert", layer["tokens_per_expert"])
+            if experts is None:
+                experts = (E, f"{at} (layer {name!r})")
+            elif E != experts[0]:
+                raise HybridEPConfigError(f"{here}: tokens_per_expert has {E} experts, but {experts[1]} has "
+                                          f"{experts[0]}; every record and layer must count the same experts")
+            if "coactivation" in layer:
+                try:
+                    matrix = np.asarray(layer["coactivation"], dtype=float)
+                except (TypeError, ValueError):
+                    matrix = None
+                if matrix is None or matrix.shape != (E, E) or not np.isfinite(matrix).all() or (matrix < 0).any():
+                    raise HybridEPConfigError(f"{here}: key 'coactivation' must be a {E} × {E} matrix of "
+                                              "non-negative counts")
+            if "tokens_per_rank" in require:
+                R = _check_counts(here, "tokens_per_rank", layer["tokens_per_rank"])
+                if ranks is None:
+                    ranks = (R, f"{at} (layer {name!r})")
+                elif R != ranks[0]:
+                    raise HybridEPConfigError(f"{here}: tokens_per_rank has {R} ranks, but {ranks[1]} has {ranks[0]}")
+            for key in require:
+                if key != "tokens_per_rank" and (not _is_number(layer[key]) or layer[key] < 0):
+                    raise HybridEPConfigError(f"{here}: key {key!r} must be a non-negative number, got {layer[key]!r}")
+    if experts is None:
+        raise HybridEPConfigError(f"expert-load statistics have no layer {selected[0]!r}" if selected
+                                  else "expert-load statistics hold no layers")
+    return experts[0]
+
+
+def read_jsonl(path: str | os.PathLike[str], require: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The records of an ``expert_load.jsonl``, checked by :func:`check_records` (errors name ``file:line``)."""
     path = Path(path)
+    if path.is_dir():
+        raise HybridEPConfigError(f"expert-load log {str(path)!r} is a directory, not a JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"expert-load log {str(path)!r} does not exist")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise HybridEPConfigError(f"expert-load log {str(path)!r} is not UTF-8 text (byte {err.start}); "
+                                  "expected one JSON object per line") from err
+    records, where = [], []
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not a JSON object ({err})") from err
+                raise HybridEPConfigError(f"{path}:{n}: not a JSON object ({err})") from err
+            where.append(f"{path}:{n}")
     if not records:
-        raise ValueError(f"{path} holds no records")
+        raise HybridEPConfigError(f"{path} holds no records")
+    check_records(records, where, require=require)
     return records
 
 
 def write_report(stats: str | os.PathLike[str], out: str | os.PathLike[str]) -> list[Path]:
     """Plots and a text summary of an ``expert_load.jsonl``: a layers × experts heatmap of the load
     (relative to the layer mean, summed over all records), per-rank load bars, ``summary.txt``."""
+    records = read_jsonl(stats, require=REPORT_KEYS)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    records = read_jsonl(stats)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = list(records[0]["layers"])

@@ -48,8 +48,11 @@ partitioning of the co-activation graph. Placement algorithms:
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -79,12 +82,23 @@ class RoutingStats:
 
     @classmethod
     def from_records(cls, records: Sequence[Mapping], layers: Sequence[str] | None = None) -> RoutingStats:
-        """Sum ``expert_load.jsonl`` records over ``layers`` (all by default) and steps."""
-        names = list(layers) if layers is not None else list(records[0]["layers"])
+        """Sum ``expert_load.jsonl`` records over ``layers`` (all by default) and steps.
+
+        Raises:
+            HybridEPConfigError: for malformed records (:func:`hf_hybrid_ep.metrics.check_records`), naming
+                the record, layer and key, or a layer the first record lacks.
+        """
+        from .metrics import check_records
+
+        if isinstance(records, str | bytes | Mapping) or not isinstance(records, Sequence):
+            raise HybridEPConfigError(f"expert-load records must be a list of records, got {type(records).__name__}")
+        names = list(layers) if layers is not None else None
+        E = check_records(records, layers=names)
+        names = names if names is not None else list(records[0]["layers"])
         missing = [n for n in names if n not in records[0]["layers"]]
-        if missing:
-            raise HybridEPConfigError(f"expert-load records have no layer {missing[0]!r}")
-        E = len(records[0]["layers"][names[0]]["tokens_per_expert"])
+        if missing or not names:
+            raise HybridEPConfigError(f"expert-load records have no layer {missing[0]!r}" if missing
+                                      else "no MoE layer selected from the expert-load records")
         loads = np.zeros(E)
         coact = np.zeros((E, E))
         has_coact = True
@@ -94,8 +108,6 @@ class RoutingStats:
                 layer = record["layers"].get(name)
                 if layer is None:
                     continue
-                if len(layer["tokens_per_expert"]) != E:
-                    raise HybridEPConfigError(f"layer {name!r} has {len(layer['tokens_per_expert'])} experts, not {E}")
                 loads += np.asarray(layer["tokens_per_expert"], dtype=float)
                 if "coactivation" in layer:
                     coact += np.asarray(layer["coactivation"], dtype=float)
@@ -125,6 +137,41 @@ class RoutingStats:
                     np.add.at(coact, (a[ok], b[ok]), 1)
                     np.add.at(coact, (b[ok], a[ok]), 1)
         return cls(loads, coact, k, len(indices))
+
+
+def read_placement_file(path: str | os.PathLike[str]) -> list[list[int]]:
+    """Rows of a placement table from ``placement.json`` (its ``placement`` key, as ``place`` writes it)
+    or a file holding a bare JSON list of rows.
+
+    Raises:
+        HybridEPConfigError: naming the file (and the bad value) when it is missing, a directory, not
+            UTF-8 JSON, or holds no list of lists of integer expert ids (``true`` is not an id).
+    """
+    name = str(path)
+    path = Path(path)
+    if path.is_dir():
+        raise HybridEPConfigError(f"placement file {name!r} is a directory; give the placement.json inside it")
+    if not path.is_file():
+        raise HybridEPConfigError(f"placement file {name!r} does not exist")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise HybridEPConfigError(f"placement file {name!r} is not UTF-8 JSON text (undecodable byte at "
+                                  f"offset {err.start}); is it a binary file?") from err
+    except json.JSONDecodeError as err:
+        raise HybridEPConfigError(f"placement file {name!r} is not JSON: {err}") from err
+    except OSError as err:
+        raise HybridEPConfigError(f"placement file {name!r} cannot be read: {err.strerror}") from err
+    rows = data.get("placement") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
+        raise HybridEPConfigError(f"placement file {name!r} holds no table (a non-empty list of lists of expert "
+                                  "ids, or an object with such a 'placement' key)")
+    for r, row in enumerate(rows):
+        for e in row:
+            if isinstance(e, bool) or not isinstance(e, int):
+                raise HybridEPConfigError(f"placement file {name!r}: row {r} = {json.dumps(row)} holds "
+                                          f"{json.dumps(e)}, not an integer expert id")
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- loads

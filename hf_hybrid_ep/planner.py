@@ -82,17 +82,19 @@ class ModelCounts:
     dense_shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)  # for FSDP's dim-0 shards
 
 
-def load_config(model: str) -> PretrainedConfig:
-    """A config from a directory, a config.json, a shipped well-known repo id, or the Hub."""
+def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """A config from a directory, a config.json, a shipped well-known repo id, or the Hub.
+
+    Code a config names in ``auto_map`` runs only with ``trust_remote_code=True`` (never a prompt)."""
     path = Path(model)
     shipped = KNOWN_CONFIGS / (model.replace("/", "__") + ".json")
     if path.is_dir():
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if path.is_file():
         return _config_from_json(path)
     if shipped.is_file():
         return _config_from_json(shipped)
-    return AutoConfig.from_pretrained(model)
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
 
 
 def _config_from_json(path: Path) -> PretrainedConfig:
@@ -104,11 +106,11 @@ def _config_from_json(path: Path) -> PretrainedConfig:
     return CONFIG_MAPPING[data["model_type"]].from_dict(data)
 
 
-def count_parameters(config: PretrainedConfig) -> ModelCounts:
+def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) -> ModelCounts:
     import torch
 
     with torch.device("meta"):
-        model = _from_config(config)
+        model = _from_config(config, trust_remote_code)
     found = check_shardable(model)
     expert_ids = set()
     expert = 0
@@ -267,12 +269,14 @@ def _comm_split(gpus: int, dp: int, ep: int, topo: Topology, dense_bytes: float,
 
 def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topology: str | None = None,
          micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw", optimizer_sharding: str = "none",
-         dense_sharding: str = "replicate") -> dict[str, Any]:
-    """Every dp × ep layout of ``gpus`` GPUs: memory, communication, fit; the recommended layout."""
+         dense_sharding: str = "replicate", *, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Every dp × ep layout of ``gpus`` GPUs: memory, communication, fit; the recommended layout.
+
+    ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
-    config = load_config(model) if isinstance(model, str) else model
-    counts = count_parameters(config)
+    config = load_config(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
+    counts = count_parameters(config, trust_remote_code)
     topo = Topology.parse(topology)
     memory = int(gpu_memory_gb * 2**30)
     topo.check_world(gpus)

@@ -34,9 +34,12 @@ from transformers import (
 )
 
 import hf_hybrid_ep as hep
+from hf_hybrid_ep.checkpoint import CheckpointError
+from hf_hybrid_ep.config import HybridEPConfigError, read_yaml_mapping
 from hf_hybrid_ep.integrations import HybridEPTrainer
-from hf_hybrid_ep.integrations.plugin import HybridEPPlugin, explicit_flags
+from hf_hybrid_ep.integrations.plugin import HybridEPPlugin, check_optimizer_block, explicit_flags
 
+TRAIN_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 ASSETS = Path(__file__).resolve().parent / "demo_assets"
 DEMO_ARGS = [
     "--output_dir", "runs/demo", "--max_steps", "30", "--per_device_train_batch_size", "8",
@@ -60,10 +63,34 @@ class ModelArguments:
 class DataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "a datasets Hub dataset"})
     dataset_config_name: str | None = field(default=None)
-    train_file: str | None = field(default=None, metadata={"help": "a local .txt/.json/.csv file"})
+    train_file: str | None = field(
+        default=None, metadata={"help": "a local " + "/".join(TRAIN_FILE_BUILDERS) + " file"}
+    )
     text_column: str = field(default="text")
     block_size: int = field(default=256, metadata={"help": "tokens per packed training sequence"})
     max_train_samples: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.train_file is not None:
+            train_file_builder(self.train_file)  # parsed before TrainingArguments starts the process group
+
+
+def train_file_builder(path: str) -> str:
+    """The ``datasets`` builder of a ``--train_file`` (by suffix); refuses other suffixes and missing files."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in TRAIN_FILE_BUILDERS:
+        raise HybridEPConfigError(f"--train_file {path!r} has the unsupported suffix {suffix or '(none)'!r}; "
+                                  f"accepted: {', '.join(TRAIN_FILE_BUILDERS)}")
+    if not Path(path).is_file():
+        raise HybridEPConfigError(f"--train_file {path!r} does not exist or is not a file")
+    return TRAIN_FILE_BUILDERS[suffix]
+
+
+def check_hybrid_ep_file(path: str) -> None:
+    """Refuse a ``--hybrid_ep_config`` that is missing, not YAML (naming ``file:line:column``) or whose
+    ``optimizer`` is not a mapping, before any process group starts (the plugin reads it again later)."""
+    block = read_yaml_mapping(path, "--hybrid_ep_config")
+    check_optimizer_block(block.get("optimizer"), f"--hybrid_ep_config {path!r}")
 
 
 @dataclass
@@ -92,6 +119,10 @@ class HybridEPArguments:
         default=None, metadata={"help": "comma-separated expert ids or 'least_used:N' to freeze"}
     )
     freeze_from_step: int = field(default=0, metadata={"help": "optimizer step from which they are frozen"})
+
+    def __post_init__(self) -> None:
+        if self.hybrid_ep_config is not None:
+            check_hybrid_ep_file(self.hybrid_ep_config)
 
 
 def demo_corpus() -> Dataset:
@@ -190,8 +221,7 @@ def main(argv: list[str]) -> None:
     if data_args.dataset_name:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")
     elif data_args.train_file:
-        kind = Path(data_args.train_file).suffix.lstrip(".").replace("txt", "text")
-        raw = load_dataset(kind, data_files=data_args.train_file, split="train")
+        raw = load_dataset(train_file_builder(data_args.train_file), data_files=data_args.train_file, split="train")
     else:
         raw = demo_corpus()
     if data_args.max_train_samples:
@@ -229,4 +259,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (HybridEPConfigError, CheckpointError) as err:
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import HybridEPConfigError
+
+
+def _is_list_like(value: object) -> bool:
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
+
+
+def _check_count(name: str, value: object, detail: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise HybridEPConfigError(f"{name}={value!r} must be a positive integer{detail}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,8 @@ class PlacementTable:
     @classmethod
     def contiguous(cls, num_experts: int, ep_degree: int) -> PlacementTable:
         """EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``."""
+        _check_count("num_experts", num_experts)
+        _check_count("ep_degree", ep_degree)
         if num_experts % ep_degree != 0:
             raise HybridEPConfigError(
                 f"num_experts={num_experts} is not divisible by ep_degree={ep_degree} for a contiguous placement"
@@ -78,7 +90,23 @@ class PlacementTable:
 
     @classmethod
     def from_rows(cls, num_experts: int, rows: Sequence[Sequence[int]]) -> PlacementTable:
-        return cls(num_experts, tuple(tuple(int(e) for e in row) for row in rows))
+        """A table from one list of global expert ids per EP rank (integers; ``True`` is not an id)."""
+        _check_count("num_experts", num_experts)
+        if not _is_list_like(rows):
+            raise HybridEPConfigError(f"placement table {rows!r} must be a list of rows (one per EP rank)")
+        rows = list(rows)
+        _check_count("ep_degree", len(rows), f" (the table has {len(rows)} rows)")
+        out = []
+        for r, row in enumerate(rows):
+            if not _is_list_like(row):
+                raise HybridEPConfigError(f"placement table row {r} = {row!r} is not a list of expert ids")
+            row = list(row)
+            for e in row:
+                if isinstance(e, bool) or not isinstance(e, numbers.Integral):
+                    raise HybridEPConfigError(f"placement table row {r} = {row!r} holds {e!r}, "
+                                              "not an integer expert id")
+            out.append(tuple(int(e) for e in row))
+        return cls(num_experts, tuple(out))
 
     # ------------------------------------------------------------------ queries
     @property

@@ -18,10 +18,9 @@ import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..config import ENV_PREFIX, HybridEPConfig, HybridEPConfigError
+from ..config import ENV_PREFIX, HybridEPConfig, HybridEPConfigError, read_yaml_mapping
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
 OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
@@ -44,6 +43,13 @@ def _env_values() -> dict[str, Any]:
     return values
 
 
+def check_optimizer_block(optimizer: Any, where: str) -> None:
+    """Refuse an ``optimizer`` setting that is not a mapping, naming where it came from."""
+    if optimizer is not None and not isinstance(optimizer, Mapping):
+        raise HybridEPConfigError(f"{where}: key 'optimizer' must be a mapping such as "
+                                  f"{{type: AdamW, lr: 6.0e-5, weight_decay: 0.01}}, got {optimizer!r}")
+
+
 @dataclass
 class HybridEPPlugin:
     """The hybrid-EP part of a training run: the engine config plus the training settings it carries."""
@@ -60,15 +66,8 @@ class HybridEPPlugin:
         """Merge file < environment < flags (``None`` flags are "not given")."""
         data: dict[str, Any] = {}
         if file is not None:
-            import yaml
-
-            path = Path(file)
-            if not path.is_file():
-                raise HybridEPConfigError(f"hybrid-EP config file {str(path)!r} does not exist")
-            loaded = yaml.safe_load(path.read_text()) or {}
-            loaded = loaded.get("hybrid_ep", loaded) if isinstance(loaded, Mapping) else loaded
-            if not isinstance(loaded, Mapping):
-                raise HybridEPConfigError(f"{str(path)!r} must hold a mapping (optionally under 'hybrid_ep:')")
+            loaded = read_yaml_mapping(file, "hybrid-EP config file")
+            check_optimizer_block(loaded.get("optimizer"), f"hybrid-EP config file {str(file)!r}")
             data.update(loaded)
         data.update(_env_values())
         data.update({k: v for k, v in (flags or {}).items() if v is not None})
@@ -87,6 +86,7 @@ class HybridEPPlugin:
             if getattr(self, key) is not None:
                 out[arg] = getattr(self, key)
         if self.optimizer:
+            check_optimizer_block(self.optimizer, "the hybrid-EP plugin")
             opt = dict(self.optimizer)
             kind = str(opt.pop("type", "AdamW"))
             if kind.lower() not in OPTIMIZERS:
