@@ -4,7 +4,9 @@ Writes a Mixtral-style checkpoint several times larger than one shard, then meas
 subprocesses (peak RSS from getrusage):
   * baseline: import the library and read the config (what every variant pays);
   * hf-hybrid-ep convert --ep-degree 4 (streaming);
-  * the whole-model route: transformers from_pretrained + save_pretrained.
+  * the whole-model route: transformers from_pretrained + save_pretrained;
+and the cost of verified loading: ``hep.from_pretrained`` of the converted checkpoint (every file,
+a world of one) with the sha256 check on and off, interleaved rounds in one process (page cache warm).
 
     python benchmarks/convert_memory.py --workdir /tmp/convert-mem
 """
@@ -41,6 +43,18 @@ SIZES = """
 from hf_hybrid_ep.checkpoint import read_index
 print("BIGGEST", max(s.nbytes for s in read_index({src!r}).specs.values()))
 """
+LOAD_TIME = """
+import statistics, time
+import hf_hybrid_ep as hep
+times = {{True: [], False: []}}
+hep.from_pretrained({out!r}, hep.HybridEPConfig(), verify=False)  # warm the page cache
+for _ in range({rounds}):
+    for verify in (True, False):
+        start = time.perf_counter()
+        hep.from_pretrained({out!r}, hep.HybridEPConfig(), verify=verify)
+        times[verify].append(time.perf_counter() - start)
+print("LOAD", statistics.median(times[True]), statistics.median(times[False]))
+"""
 WHOLE = """
 import hf_hybrid_ep
 from transformers import AutoModelForCausalLM
@@ -56,6 +70,7 @@ class Args:
     experts: int = field(default=8)
     layers: int = field(default=4)
     shard_mb: int = field(default=100)
+    rounds: int = field(default=5)
 
 
 REPORT = "\nimport resource; print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
@@ -95,6 +110,13 @@ def main() -> None:
     print(f"| baseline (imports + config) | {base:.0f} | 0 | 0 |")
     print(f"| hf-hybrid-ep convert --ep-degree 4 | {conv:.0f} | {conv - base:.0f} | {(conv - base) / largest:.2f} |")
     print(f"| from_pretrained + save_pretrained | {whole:.0f} | {whole - base:.0f} | {(whole - base) / largest:.2f} |")
+    load = subprocess.run([sys.executable, "-c", LOAD_TIME.format(out=str(work / "ep4"), rounds=args.rounds)],
+                          check=True, capture_output=True, text=True).stdout
+    verified, unverified = map(float, next(ln for ln in load.splitlines() if ln.startswith("LOAD")).split()[1:])
+    print(f"\nhep.from_pretrained of the {total:.0f} MiB checkpoint (world of one, median of {args.rounds}, "
+          f"page cache warm): verify=True {verified:.2f} s, verify=False {unverified:.2f} s; the sha256 check "
+          f"costs {verified - unverified:.2f} s ({verified / unverified:.2f}x, "
+          f"{total / max(verified - unverified, 1e-9):.0f} MiB/s)")
 
 
 if __name__ == "__main__":

@@ -223,12 +223,14 @@ class SafetensorsStore:
     mapped to the fused parameters with transformers' own conversion mapping (as rank-local loading
     does), so one expert is one small read per source key."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
+        from .checkpoint.atomic import open_checkpoint
         from .checkpoint.load import _weight_map
 
         self.root = Path(path)
         if not self.root.is_dir():
             raise HybridEPConfigError(f"expert store {str(self.root)!r} is not a checkpoint directory")
+        self.verifier = open_checkpoint(self.root, verify=verify)  # each file checked when first opened
         self.weight_map = _weight_map(self.root)
         self.targets: dict = {}
         self.model: nn.Module | None = None
@@ -239,7 +241,7 @@ class SafetensorsStore:
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
         self.targets = plan_rank_local(model, views, self.weight_map)
-        self.model, self.reader = model, _Reader(self.root, self.weight_map)
+        self.model, self.reader = model, _Reader(self.root, self.weight_map, verifier=self.verifier)
         self.param_names = {name: param_names for name, _, param_names in layers}
         for name, module, param_names in layers:  # a checkpoint of another model fails here, naming the key
             for p in param_names:
@@ -438,23 +440,26 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
 
 
 def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "lru", *,
-                   device: str | torch.device = "cpu", prefetch: bool = False) -> nn.Module:
+                   device: str | torch.device = "cpu", prefetch: bool = False, verify: bool = True,
+                   trust_remote_code: bool = False) -> nn.Module:
     """Build a model from a local checkpoint for inference with only ``capacity`` experts per layer ever
     in memory: the model is created on the meta device, the dense tensors are read, and the experts stay
-    in the checkpoint's files (a :class:`SafetensorsStore`). Returns the model in eval mode."""
-    from transformers import AutoConfig
+    in the checkpoint's files (a :class:`SafetensorsStore`). Returns the model in eval mode.
 
-    from .checkpoint.layout import build_meta_model
+    Every file is checked against the index's manifest when first opened (sha256 unless
+    ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
+    from .checkpoint.layout import build_meta_model, read_config
     from .checkpoint.load import _assemble, _Reader, _weight_map, plan_rank_local
 
     root = Path(path)
     if not root.is_dir():
         raise HybridEPConfigError(f"checkpoint directory {str(root)!r} does not exist")
-    model = build_meta_model(AutoConfig.from_pretrained(root))
-    offload(model, capacity, policy, device=device, store=root, prefetch=prefetch)
+    store = SafetensorsStore(root, verify=verify)
+    model = build_meta_model(read_config(root, trust_remote_code), trust_remote_code)
+    offload(model, capacity, policy, device=device, store=store, prefetch=prefetch)
     experts = {f"{layer.name}.{p}" for layer in _offloaded(model) for p in layer.param_names}
     weight_map = _weight_map(root)
-    reader = _Reader(root, weight_map)
+    reader = _Reader(root, weight_map, verifier=store.verifier)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     with torch.no_grad():

@@ -464,6 +464,7 @@ def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: b
     from transformers import AutoModelForCausalLM
 
     from hf_hybrid_ep.checkpoint import read_index
+    from hf_hybrid_ep.checkpoint.safetensors_io import read_header
 
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(ckpt)
@@ -484,9 +485,10 @@ def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: b
                     others = [e for e in range(meta.num_experts) if e not in mine]
                     value[others] = float("nan")
                     poisoned += len(others)
-                save_file(tensors, copy_dir / name, metadata={"format": "pt"})
+                save_file(tensors, copy_dir / name, metadata=read_header(copy_dir / name)[1])  # same save id
         root = copy_dir
-    model = hep.from_pretrained(root, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    # the whole-file sha256 would (rightly) refuse the poisoned fused files: skip only the hash here
+    model = hep.from_pretrained(root, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep), verify=not poisoned)
     ref = AutoModelForCausalLM.from_pretrained(reference_dir)
     ref.eval()
     state = hep.state_of(model)

@@ -1,9 +1,10 @@
 """Streaming checkpoint rewriting: convert (Hub or local → hybrid EP), reshard and export.
 
 All three are one operation: read a safetensors checkpoint tensor by tensor and write it to a new
-layout. Peak memory is one tensor plus the writers' buffers, never the model. Output goes to a hidden
-temporary sibling of OUT that is renamed into place only when complete and checksummed; on any
-error it is removed and OUT is left untouched.
+layout. Peak memory is one tensor plus the writers' buffers, never the model. OUT is checked and
+claimed before any work; output goes to a hidden staging sibling that is fsynced and renamed into
+place only when complete and listed in the manifest (:mod:`.atomic`); on any error it is removed and
+OUT is left untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..dispatch import PlacementTable
+from .atomic import check_output_free, open_checkpoint, staged_save
 from .format import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -30,12 +32,13 @@ from .format import (
     fused_file,
     rank_file,
     read_index,
-    verify_checksums,
     write_index,
 )
 from .layout import classify_keys, model_experts
+from .manifest import save_metadata
 from .safetensors_io import CheckpointError, StreamingSafetensorsWriter, TensorSpec, sha256_file
 from .side_state import SIDE_FILE
+from .validate import validate_against_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -90,7 +93,7 @@ def resolve_source(src: str | os.PathLike[str], revision: str | None = None) -> 
     """A local checkpoint directory, or a Hub repo id downloaded with only the files conversion needs."""
     path = Path(src)
     if path.is_dir():
-        return path, {"path": str(path.resolve())}
+        return path, {"folder": path.resolve().name}
     from huggingface_hub import hf_hub_download
 
     root, source, weights = hub_metadata(str(src), revision)
@@ -111,37 +114,26 @@ def _copy_side_files(src: Path, dst: Path, keep_hybrid_state: bool = True) -> No
             shutil.copy2(f, dst / f.name)
 
 
-def _prepare_out(out: Path) -> Path:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"output {str(out)!r} already exists and is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
-
-
 def _rewrite(
     index: CheckpointIndex,
-    out: Path,
+    tmp: Path,
+    save_id: str,
     plan: Callable[[dict[str, TensorSpec]], dict[str, list[TensorSpec]]],
     finish: Callable[[Path, dict[str, str], dict[str, FileInfo], int], None],
     dtype: torch.dtype | None,
     progress: bool,
     keep_hybrid_state: bool = True,
-) -> Path:
-    """Stream every tensor of a (checked) source index into the files ``plan`` lays out, then ``finish``."""
+) -> None:
+    """Stream every tensor of a (checked) source index into the files ``plan`` lays out in the staging
+    directory ``tmp``, then ``finish`` (which writes the index). The caller commits ``tmp``."""
     src_dir = index.root
-    if index.hybrid_ep is not None:
-        verify_checksums(index)
+    open_checkpoint(src_dir, verify=True).check_all()
     layout = plan({k: _cast(s, dtype) for k, s in index.specs.items()})
-    tmp = _prepare_out(out)
     writers: dict[str, StreamingSafetensorsWriter] = {}
     try:
         weight_map = {spec.name: file for file, specs in layout.items() for spec in specs}
         for file, specs in layout.items():
-            writers[file] = StreamingSafetensorsWriter(tmp / file, specs, {"format": "pt"})
+            writers[file] = StreamingSafetensorsWriter(tmp / file, specs, save_metadata(save_id))
         total = sum(s.nbytes for s in index.specs.values())
         with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
             for src_file in index.files:
@@ -156,18 +148,23 @@ def _rewrite(
                         del tensor
         for w in writers.values():
             w.close()
-        infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in layout}
-        _copy_side_files(src_dir, tmp, keep_hybrid_state)
-        finish(tmp, weight_map, infos, sum(s.nbytes for specs in layout.values() for s in specs))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
     except BaseException:
         for w in writers.values():
             w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in layout}
+    _copy_side_files(src_dir, tmp, keep_hybrid_state)
+    finish(tmp, weight_map, infos, sum(s.nbytes for specs in layout.values() for s in specs))
+
+
+def _source_record(src_dir: Path, source: dict[str, Any], index: CheckpointIndex) -> dict[str, Any]:
+    """Where the weights came from: the Hub id and commit, or a folder *name* (never a local path)."""
+    if index.hybrid_ep is not None and index.hybrid_ep.source:
+        recorded = dict(index.hybrid_ep.source)
+        if "path" in recorded:  # written by an older version
+            recorded = {"folder": Path(recorded.pop("path")).name, **recorded}
+        return recorded
+    return source
 
 
 def convert_checkpoint(
@@ -180,6 +177,7 @@ def convert_checkpoint(
     revision: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Convert a Hub repo or local checkpoint (or reshard a hybrid-EP one) for ``ep_degree`` EP ranks.
 
@@ -190,20 +188,50 @@ def convert_checkpoint(
     size-capped shards. The table is stored in the index (``metadata.hybrid_ep.placement``) and used
     by :func:`hf_hybrid_ep.from_pretrained` when the config names no placement.
 
+    OUT is checked first (it must not exist or be empty) and claimed, so a concurrent convert into
+    it fails at once; the result is staged and renamed into place complete (:mod:`.atomic`). No code
+    the source's config names (``auto_map``) runs unless ``trust_remote_code=True``.
+
     Raises:
         CheckpointError: before anything is written, naming the file or key at fault (also for a
             placement that does not fit the model or disagrees with ``ep_degree``).
     """
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if ep_degree is not None and (isinstance(ep_degree, bool) or not isinstance(ep_degree, int) or ep_degree < 1):
+        raise CheckpointError(f"ep_degree must be a positive integer, got {ep_degree!r}")
     torch_dtype = DTYPES[dtype] if dtype else None
+    out = Path(out)
+    check_output_free(out)
+    with staged_save(out, fresh=True) as (tmp, save_id):
+        convert_into(src, tmp, save_id, ep_degree=ep_degree, placement=placement, dtype=torch_dtype,
+                     revision=revision, max_shard_bytes=max_shard_bytes, progress=progress,
+                     trust_remote_code=trust_remote_code)
+    return out
+
+
+def convert_into(
+    src: str | os.PathLike[str],
+    tmp: Path,
+    save_id: str,
+    *,
+    ep_degree: int | None = None,
+    placement: PlacementTable | list[list[int]] | None = None,
+    dtype: torch.dtype | None = None,
+    revision: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> None:
+    """:func:`convert_checkpoint` into an existing staging directory ``tmp`` (the caller commits it)."""
+    torch_dtype = dtype
     src_dir, source = resolve_source(src, revision)
-    experts = model_experts(src_dir)
+    experts = model_experts(src_dir, trust_remote_code)
     table = _placement_table(placement, ep_degree, experts.num_experts)
     ep_degree = table.ep_degree
     index = read_index(src_dir)
-    if index.hybrid_ep is not None:
-        source = index.hybrid_ep.source
+    validate_against_model(experts.model, index.specs, str(src_dir))
+    source = _source_record(src_dir, source, index)
     state: dict[str, Any] = {}
 
     def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
@@ -244,7 +272,7 @@ def convert_checkpoint(
         )
         write_index(tmp, weight_map, total, meta)
 
-    return _rewrite(index, Path(out), plan, finish, torch_dtype, progress)
+    _rewrite(index, tmp, save_id, plan, finish, torch_dtype, progress)
 
 
 def _placement_table(placement: PlacementTable | list[list[int]] | None, ep_degree: int | None,
@@ -278,7 +306,8 @@ def export_checkpoint(
     Returns the names of the side state that was dropped because vanilla transformers has no place
     for it (today: the hybrid_ep metadata block).
     """
-    src_dir = Path(src)
+    src_dir, out = Path(src), Path(out)
+    check_output_free(out)
     index = read_index(src_dir)
     dropped = ["model.safetensors.index.json: metadata.hybrid_ep"] if index.hybrid_ep is not None else []
     if (src_dir / SIDE_FILE).is_file():
@@ -291,5 +320,6 @@ def export_checkpoint(
     def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
         write_index(tmp, weight_map, total, None)
 
-    _rewrite(index, Path(out), plan, finish, None, progress, keep_hybrid_state=False)
+    with staged_save(out, fresh=True) as (tmp, save_id):
+        _rewrite(index, tmp, save_id, plan, finish, None, progress, keep_hybrid_state=False)
     return dropped

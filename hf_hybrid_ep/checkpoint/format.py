@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .safetensors_io import CheckpointError, TensorSpec, read_header, sha256_file
+from .safetensors_io import CheckpointError, TensorSpec, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -160,15 +160,6 @@ def read_index(root: str | os.PathLike[str]) -> CheckpointIndex:
             if size != info.bytes:
                 raise CheckpointError(f"{name}: {size} bytes on disk, metadata says {info.bytes}")
     return CheckpointIndex(root, weight_map, specs, hybrid)
-
-
-def verify_checksums(index: CheckpointIndex) -> None:
-    """Re-hash every weight file of a hybrid-EP checkpoint; raise naming the first that differs."""
-    if index.hybrid_ep is None:
-        raise CheckpointError(f"{str(index.root)!r} is not a hybrid-EP checkpoint: it has no checksums")
-    for name, info in sorted(index.hybrid_ep.files.items()):
-        if sha256_file(index.path(name)) != info.sha256:
-            raise CheckpointError(f"{name}: checksum mismatch (the file changed or is corrupt)")
 
 
 def write_index(root: Path, weight_map: dict[str, str], total_size: int, hybrid: HybridEPMetadata | None) -> None:

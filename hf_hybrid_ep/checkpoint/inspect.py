@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .format import read_index, verify_checksums
+from .format import read_index
+from .manifest import read_manifest, verify_checksums
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
@@ -15,6 +16,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
         CheckpointError: for a checkpoint that fails its checks (naming the file or key).
     """
     index = read_index(path)
+    manifest = read_manifest(index.root)
     if verify:
         verify_checksums(index)
     files: dict[str, dict[str, Any]] = {}
@@ -27,6 +29,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
         "tensors": len(index.weight_map),
         "bytes": sum(f["bytes"] for f in files.values()),
         "files": files,
+        "checksums": manifest is not None or index.hybrid_ep is not None,
+        "save_id": manifest["save_id"] if manifest else None,
     }
     meta = index.hybrid_ep
     if meta is not None:
@@ -59,6 +63,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append("checksums: all files verified")
     else:
         lines.append("plain checkpoint (no hybrid_ep metadata)")
+    if summary.get("save_id"):
+        lines.append(f"save {summary['save_id']}: every file listed with its size and sha256")
+    if not summary.get("checksums"):
+        lines.append("no checksums recorded: the files cannot be verified (convert it to get them)")
     for name, f in sorted(summary["files"].items()):
         role = f.get("role", "")
         rank = f" rank {f['ep_rank']}" if f.get("ep_rank") is not None else ""

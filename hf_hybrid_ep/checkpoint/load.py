@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
 
 from ..config import HybridEPConfig
 from ..experts import ExpertParallelLayer
+from .atomic import open_checkpoint
 from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
-from .layout import build_meta_model
+from .layout import build_meta_model, read_config
+from .manifest import CheckpointVerifier
 from .safetensors_io import CheckpointError, read_header
 from .side_state import load_side_state
 
@@ -95,8 +96,10 @@ def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_
 class _Reader:
     """Opens each needed file once; reads whole tensors or row subsets of fused tensors."""
 
-    def __init__(self, root: Path, weight_map: dict[str, str], fetch: Callable[[str], Path] | None = None) -> None:
+    def __init__(self, root: Path, weight_map: dict[str, str], fetch: Callable[[str], Path] | None = None,
+                 verifier: CheckpointVerifier | None = None) -> None:
         self.root, self.weight_map, self.fetch = root, weight_map, fetch
+        self.verifier = verifier
         self._handles: dict[str, object] = {}
 
     def _handle(self, key: str):
@@ -105,6 +108,8 @@ class _Reader:
             member = safe_member(self.root, name, INDEX_NAME)
             path = self.fetch(name) if self.fetch is not None else member
             read_header(path)  # a clear error for a missing or truncated file
+            if self.verifier is not None:
+                self.verifier.check(name, path)
             self._handles[name] = safe_open(path, framework="pt")
         return self._handles[name]
 
@@ -149,16 +154,19 @@ def load_rank_local_(
     layers: list[ExpertParallelLayer],
     dtype: torch.dtype | None = None,
     fetch: Callable[[str], Path] | None = None,
+    verify: bool = True,
 ) -> None:
     """Fill every parameter of ``model`` (already sharded) from the checkpoint: meta parameters are
     replaced, live ones (a resume) are copied into in place.
 
     ``fetch(name)``, if given, returns the local path of weight file ``name`` (downloading it): only
-    files holding a needed key are asked for.
+    files holding a needed key are asked for. Every file opened is checked against the index's
+    manifest (size and save id; sha256 unless ``verify=False``).
     """
+    verifier = open_checkpoint(root, verify=verify, local=fetch is None)
     weight_map = _weight_map(root)
     targets = plan_rank_local(model, layers, weight_map)
-    reader = _Reader(root, weight_map, fetch)
+    reader = _Reader(root, weight_map, fetch, verifier)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     unexpected = sorted(set(targets) - set(params) - set(buffers))
@@ -193,13 +201,15 @@ def load_rank_local_(
         raise CheckpointError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
 
 
-def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module) -> None:
+def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify: bool | None = None) -> None:
     """Resume: copy a hybrid-EP (or plain) checkpoint into a live parallelized model, in place —
-    weights (this rank's experts only) and the side state."""
+    weights (this rank's experts only) and the side state, each file checked against the manifest
+    (sha256 unless ``verify=False``; default: the config's ``verify_checksums``)."""
     from ..parallelize import state_of
 
-    load_rank_local_(Path(root), model, state_of(model).layers)
-    load_side_state(model, root)
+    verify = state_of(model).config.verify_checksums if verify is None else verify
+    load_rank_local_(Path(root), model, state_of(model).layers, verify=verify)
+    load_side_state(model, root, open_checkpoint(root, verify=verify))
 
 
 def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | None:
@@ -249,6 +259,8 @@ def from_pretrained(
     *,
     dtype: torch.dtype | None = None,
     revision: str | None = None,
+    verify: bool | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Build a hybrid-EP model reading only dense tensors and this rank's experts.
 
@@ -258,6 +270,10 @@ def from_pretrained(
     config gives no explicit table (``placement="contiguous"``, the default) and the layout has its
     EP degree; at another EP degree the experts are laid out contiguously (logged). Collective: call
     on every rank.
+
+    Every file a rank reads is checked against the index's manifest first: size and save id always,
+    sha256 unless ``verify=False`` (default: ``config.verify_checksums``, on). No code from the
+    checkpoint runs unless ``trust_remote_code=True``.
     """
     from ..parallelize import parallelize
     from .convert import hub_metadata
@@ -273,10 +289,12 @@ def from_pretrained(
         def fetch(name: str) -> Path:
             return Path(hf_hub_download(source["repo_id"], name, revision=source["revision"]))
 
-    hf_config = AutoConfig.from_pretrained(root)
+    hf_config = read_config(root, trust_remote_code)
     config = with_checkpoint_placement(config or HybridEPConfig(), root)
-    model = build_meta_model(hf_config)
-    parallelize(model, config, materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch))
-    load_side_state(model, root)
+    verify = config.verify_checksums if verify is None else verify
+    model = build_meta_model(hf_config, trust_remote_code)
+    parallelize(model, config,
+                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verify))
+    load_side_state(model, root, open_checkpoint(root, verify=verify, local=fetch is None))
     model.eval()
     return model

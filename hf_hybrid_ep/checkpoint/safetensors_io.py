@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,14 @@ DTYPE_TO_ST = {
 }
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 _MAX_HEADER = 100 * 2**20
+# Test hook: called with the name of each write point of a save (tests/test_crash_safety.py).
+_write_point: Callable[[str], None] | None = None
+
+
+def write_point(name: str) -> None:
+    """Mark one write point of a save (a file open or close, an fsync, a rename, the index write)."""
+    if _write_point is not None:
+        _write_point(name)
 
 
 class CheckpointError(ValueError):
@@ -116,6 +124,7 @@ class StreamingSafetensorsWriter:
         blob += b" " * (-len(blob) % 8)
         self._data_start = 8 + len(blob)
         self._written: set[str] = set()
+        write_point(f"open {self.path.name}")
         self._file = self.path.open("wb")
         self._file.write(struct.pack("<Q", len(blob)))
         self._file.write(blob)
@@ -136,6 +145,7 @@ class StreamingSafetensorsWriter:
 
     def close(self) -> None:
         self._file.close()
+        write_point(f"close {self.path.name}")
         missing = sorted(set(self.specs) - self._written)
         if missing:
             raise CheckpointError(f"{self.path.name}: tensors never written: {missing[:5]}")

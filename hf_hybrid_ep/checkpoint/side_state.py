@@ -14,6 +14,8 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .manifest import CheckpointVerifier, save_metadata
+
 SIDE_FILE = "hybrid_ep_state.safetensors"
 
 
@@ -24,24 +26,28 @@ def _biased_layers(model: nn.Module) -> list:
             if layer.routing is not None and layer.routing.selection_bias is not None]
 
 
-def save_side_state(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:
-    """Write the side file (call on one rank; the state is identical on every rank)."""
+def save_side_state(model: nn.Module, directory: str | os.PathLike[str], save_id: str | None = None) -> Path | None:
+    """Write the side file (call on one rank; the state is identical on every rank), tagged with the
+    save id of the checkpoint it belongs to."""
     layers = _biased_layers(model)
     if not layers:
         return None
     path = Path(directory) / SIDE_FILE
     tmp = path.with_name(f".{SIDE_FILE}.tmp")
     save_file({f"{layer.name}.selection_bias": layer.routing.selection_bias.contiguous() for layer in layers},
-              tmp, metadata={"format": "pt", "namespace": "hf_hybrid_ep"})
+              tmp, metadata={**save_metadata(save_id), "namespace": "hf_hybrid_ep"})
     tmp.replace(path)
     return path
 
 
-def load_side_state(model: nn.Module, directory: str | os.PathLike[str]) -> list[str]:
-    """Load the side file if present; return the keys restored."""
+def load_side_state(model: nn.Module, directory: str | os.PathLike[str],
+                    verifier: CheckpointVerifier | None = None) -> list[str]:
+    """Load the side file if present (checked by ``verifier`` first); return the keys restored."""
     path = Path(directory) / SIDE_FILE
     if not path.is_file():
         return []
+    if verifier is not None:
+        verifier.check(SIDE_FILE, path)
     tensors = load_file(path)
     restored = []
     for layer in _biased_layers(model):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -24,8 +25,9 @@ from accelerate.checkpointing import load_accelerator_state, save_accelerator_st
 from accelerate.utils import DistributedType
 from torch import nn
 
+from ..checkpoint.atomic import staged_save
 from ..checkpoint.load import load_checkpoint_into_
-from ..checkpoint.save import save_hybrid_checkpoint
+from ..checkpoint.save import broadcast_save, save_hybrid_checkpoint
 from ..config import HybridEPConfigError
 from ..parallelize import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
@@ -72,17 +74,24 @@ def save_state(
     schedulers: Sequence = (),
     dataloaders: Sequence = (),
 ) -> Path:
-    """Save everything a resume needs, at any EP degree. Collective: call on every rank."""
+    """Save everything a resume needs, at any EP degree. Collective: call on every rank.
+
+    ``output_dir`` is staged whole and put in place atomically (:mod:`hf_hybrid_ep.checkpoint.atomic`):
+    a crash leaves the previous state or the new one."""
     output_dir = Path(output_dir)
     hybrid = _unwrap(accelerator, model)
-    save_hybrid_checkpoint(hybrid, output_dir / "model")
-    save_optimizer_state(hybrid, getattr(optimizer, "optimizer", optimizer), output_dir / "optimizer")
-    (output_dir / "accelerate").mkdir(parents=True, exist_ok=True)
-    save_accelerator_state(
-        str(output_dir / "accelerate"), model_states=[], optimizers=[], schedulers=list(schedulers),
-        dataloaders=list(dataloaders), process_index=accelerator.process_index, step=accelerator.step,
-        scaler=accelerator.scaler,
-    )
+    with ExitStack() as stack:
+        staged = stack.enter_context(staged_save(output_dir)) if accelerator.process_index == 0 else None
+        staging, save_id = broadcast_save(hybrid, staged)
+        save_hybrid_checkpoint(hybrid, staging / "model")
+        save_optimizer_state(hybrid, getattr(optimizer, "optimizer", optimizer), staging / "optimizer", save_id)
+        (staging / "accelerate").mkdir(parents=True, exist_ok=True)
+        save_accelerator_state(
+            str(staging / "accelerate"), model_states=[], optimizers=[], schedulers=list(schedulers),
+            dataloaders=list(dataloaders), process_index=accelerator.process_index, step=accelerator.step,
+            scaler=accelerator.scaler,
+        )
+        accelerator.wait_for_everyone()
     accelerator.wait_for_everyone()
     return output_dir
 

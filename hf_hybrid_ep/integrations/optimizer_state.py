@@ -23,6 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..checkpoint.atomic import open_checkpoint
+from ..checkpoint.manifest import save_metadata
+from ..checkpoint.safetensors_io import write_point
 from ..mesh import is_dtensor
 from ..parallelize import state_of
 from ..zero import ShardedOptimizer
@@ -72,8 +75,10 @@ def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[in
     return states
 
 
-def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
-    """Write the optimizer state of a hybrid-EP model (collective over EP groups; rank 0 writes)."""
+def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path,
+                         save_id: str | None = None) -> None:
+    """Write the optimizer state of a hybrid-EP model (collective over EP groups; rank 0 writes), each
+    file through a temporary name; ``save_id`` tags it as part of one checkpoint save."""
     _refuse_dtensors(model)
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     names, experts = _names(model), _expert_layers(model)
@@ -101,15 +106,27 @@ def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
     if mesh.rank == 0:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, directory / TENSORS_NAME, metadata={"format": "pt"})
-        (directory / META_NAME).write_text(json.dumps({"param_groups": groups, "scalars": scalars}, indent=1))
+        tmp = directory / f".{TENSORS_NAME}.tmp"
+        write_point(f"open {TENSORS_NAME}")
+        save_file(tensors, tmp, metadata=save_metadata(save_id))
+        write_point(f"close {TENSORS_NAME}")
+        tmp.replace(directory / TENSORS_NAME)
+        tmp = directory / f".{META_NAME}.tmp"
+        tmp.write_text(json.dumps({"param_groups": groups, "scalars": scalars}, indent=1))
+        write_point(f"close {META_NAME}")
+        tmp.replace(directory / META_NAME)
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
-    """Fill ``optimizer`` (built over ``model``'s parameters, any EP degree, sharded or not) from a saved state."""
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path,
+                         verify: bool = True) -> None:
+    """Fill ``optimizer`` (built over ``model``'s parameters, any EP degree, sharded or not) from a saved
+    state; both files are checked against the checkpoint's manifest first (sha256 too unless ``verify=False``)."""
     _refuse_dtensors(model)
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     directory = Path(directory)
+    checker = open_checkpoint(directory, verify=verify)
+    for name in (META_NAME, TENSORS_NAME):
+        checker.check(name)
     meta = json.loads((directory / META_NAME).read_text())
     names, experts = _names(model), _expert_layers(model)
     by_name = {n: p for n, p in model.named_parameters()}

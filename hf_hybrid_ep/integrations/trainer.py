@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..amp import agree_found_inf_
+from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.load import load_checkpoint_into_
-from ..checkpoint.save import save_hybrid_checkpoint
+from ..checkpoint.save import broadcast_save, save_hybrid_checkpoint, write_model_files
 from ..config import HybridEPConfigError
 from ..consistency import verify_replicas
 from ..experts import find_experts_modules
@@ -100,6 +104,9 @@ class HybridEPTrainer(Trainer):
         **kwargs,
     ) -> None:
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
+        # the Trainer sets config.use_cache from its args (False); checkpoints keep the source's
+        self._inference_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
+        self._staging: tuple[Path, str] | None = None
         self._freeze = (freeze_experts, freeze_from_step)
         self.freezer: ExpertFreezer | None = None
         _no_pinned_memory_without_cuda(args[0] if args else kwargs.get("args"))
@@ -179,22 +186,74 @@ class HybridEPTrainer(Trainer):
         return grad_norm
 
     # ------------------------------------------------------------------ checkpoints
+    def _get_output_dir(self, trial) -> str:
+        if self._staging is not None:  # inside _save_checkpoint: the Trainer writes into the staged copy
+            return str(self._staging[0].parent)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        """The Trainer's checkpoint, written whole into a staged ``checkpoint-N`` (model, optimizer,
+        scheduler, RNG and Trainer state, tokenizer) and put in place atomically with a manifest of
+        every file (:mod:`hf_hybrid_ep.checkpoint.atomic`); a crash leaves the previous checkpoint."""
+        run_dir = Path(super()._get_output_dir(trial))
+        target = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        with ExitStack() as stack:
+            staged = None
+            if self.args.process_index == 0:
+                staged = stack.enter_context(staged_save(target))
+            self._staging = staged = broadcast_save(self.hybrid_model, staged)
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging = None
+            best = self.state.best_model_checkpoint
+            if best is not None and Path(best).parent == staged[0].parent:
+                self.state.best_model_checkpoint = str(run_dir / Path(best).name)
+                if self.args.should_save:
+                    self.state.save_to_json(os.path.join(staged[0], TRAINER_STATE_NAME))
+            if self.accelerator.num_processes > 1:
+                torch.distributed.barrier()  # every rank's RNG file is in the staged copy
+        if self.accelerator.num_processes > 1:
+            torch.distributed.barrier()
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_hybrid_checkpoint(self.hybrid_model, output_dir)
+        config = getattr(self.hybrid_model, "config", None)
+        training_use_cache = getattr(config, "use_cache", None)
+        if config is not None and self._inference_use_cache is not None:
+            config.use_cache = self._inference_use_cache
+        try:
+            if self._staging is not None and Path(output_dir) == self._staging[0]:
+                write_model_files(self.hybrid_model, Path(output_dir), self._staging[1])
+            else:
+                save_hybrid_checkpoint(self.hybrid_model, output_dir)
+        finally:
+            if config is not None:
+                config.use_cache = training_use_cache
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save_optimizer_state(self.hybrid_model, self.optimizer, output_dir)
+        save_id = self._staging[1] if self._staging is not None else None
+        save_optimizer_state(self.hybrid_model, self.optimizer, output_dir, save_id)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Resume: every file of the checkpoint is checked against its manifest before use (the
+        Trainer's own files and the optimizer state included; sha256 unless ``verify_checksums=False``)."""
         model = self.hybrid_model if model is None else self.accelerator.unwrap_model(model)
-        load_checkpoint_into_(resume_from_checkpoint, model)
+        verify = state_of(model).config.verify_checksums
+        checker = open_checkpoint(resume_from_checkpoint, verify=verify)
+        for name in sorted((checker.manifest or {}).get("files", {})):
+            if not name.startswith("model"):  # weight files: checked by the loader, this rank's only
+                checker.check(name)
+        load_checkpoint_into_(resume_from_checkpoint, model, verify=verify)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -1,0 +1,291 @@
+"""Whole-directory saves that a crash cannot mix: stage in a fresh sibling, fsync, put in place by rename.
+
+A save (a Trainer ``checkpoint-N``, a convert / reshard / export output) is written into
+``.<name>.new-<save id>/<name>`` beside its target (a hidden container holding a directory of the
+target's own name, so that the Trainer can write its files there unchanged), claimed first with a
+lock file ``.<name>.lock`` (host, PID, save id) so that a second writer of the same target fails at
+once. When complete, every file and then the directory are fsynced and the staged directory is put
+in place:
+
+* target absent: ``rename`` (atomic);
+* target present: ``renameat2(RENAME_EXCHANGE)`` on Linux swaps the two directories atomically, then
+  the old one (now inside the container) is removed; where the OS has no exchange, the target is
+  first renamed to ``.<name>.old-<save id>`` and the new one renamed in. A crash between those two
+  renames leaves no target but two complete copies; :func:`recover` (called by every loader) puts
+  the new one in place, or the old one back when the new one is incomplete.
+
+A reader therefore sees the previous checkpoint or the new one, never a mix and never nothing. What
+makes "complete" checkable is the manifest the index carries (:mod:`.manifest`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .manifest import INDEX_NAME, CheckpointVerifier, is_complete, write_manifest
+from .safetensors_io import CheckpointError, write_point
+
+logger = logging.getLogger("hf_hybrid_ep")
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def staging_path(target: Path, save_id: str) -> Path:
+    """The staged directory of save ``save_id`` of ``target`` (inside its hidden container)."""
+    return target.parent / f".{target.name}.new-{save_id}" / target.name
+
+
+def old_path(target: Path, save_id: str) -> Path:
+    return target.parent / f".{target.name}.old-{save_id}"
+
+
+def lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+def _dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_claim(lock: Path) -> dict:
+    try:
+        return json.loads(lock.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+CLAIM_NAME = "claim.json"  # inside each staging container: host, PID and save id of its writer
+
+
+def _leftovers(target: Path) -> list[Path]:
+    """Staging containers of ``target`` (and ``.tmp-<pid>`` directories of versions before containers)."""
+    return sorted(p for p in target.parent.glob(f".{target.name}.*")
+                  if p.is_dir() and p.name[len(target.name) + 2:].split("-", 1)[0] in ("new", "tmp"))
+
+
+def _clean_leftovers(target: Path, host: str) -> None:
+    """Remove staging left by dead writers on this host (size reported); report others and leave them.
+    A ``.old-*`` copy beside a present target is what a portable commit had not yet removed."""
+    if target.exists():
+        for old in sorted(target.parent.glob(f".{target.name}.old-*")):
+            logger.warning("removing %r (%.1f MiB), the previous copy of %s left by an interrupted save",
+                           str(old), _dir_bytes(old) / 2**20, target.name)
+            shutil.rmtree(old, ignore_errors=True)
+    for left in _leftovers(target):
+        held = _read_claim(left / CLAIM_NAME)
+        size = f"{_dir_bytes(left) / 2**20:.1f} MiB"
+        pid = held.get("pid")
+        if held.get("host") == host and isinstance(pid, int) and not _pid_alive(pid):
+            logger.warning("removing %r (%s), left by an interrupted save of %s (PID %d, no longer running)",
+                           str(left), size, target.name, pid)
+            shutil.rmtree(left, ignore_errors=True)
+        else:
+            owner = f"PID {pid} on host {held.get('host')!r}" if held else "an unknown writer"
+            logger.warning("leaving %r (%s) of %s alone: written by %s; delete it by hand if that run is gone",
+                           str(left), size, target.name, owner)
+
+
+def claim(target: Path, save_id: str) -> Path:
+    """Claim ``target`` for one save and create its empty staged directory; return that directory.
+
+    A live claim by another process fails at once, naming its host and PID. A stale claim (this host,
+    PID dead) is dropped; staging it left behind is removed when its recorded host is this one and its
+    PID is dead, and reported with its size either way; a claim of another host is never touched.
+
+    Raises:
+        CheckpointError: naming the target and the process that holds it.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = lock_path(target)
+    host = socket.gethostname()
+    body = json.dumps({"host": host, "pid": os.getpid(), "save_id": save_id})
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            held = _read_claim(lock)
+            if held.get("host") != host:
+                raise CheckpointError(
+                    f"{str(target)!r} is being written by PID {held.get('pid')} on host {held.get('host')!r} "
+                    f"(claim {str(lock)!r}); if that run is gone, delete the claim and its .new-* sibling"
+                ) from None
+            if isinstance(held.get("pid"), int) and _pid_alive(held["pid"]):
+                raise CheckpointError(
+                    f"{str(target)!r} is being written by PID {held['pid']} on this host (claim {str(lock)!r})"
+                ) from None
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+        break
+    else:  # pragma: no cover - the stale claim reappeared between two attempts
+        raise CheckpointError(f"could not claim {str(target)!r}: {str(lock)!r} keeps reappearing")
+    _clean_leftovers(target, host)
+    staging = staging_path(target, save_id)
+    staging.mkdir(parents=True)
+    (staging.parent / CLAIM_NAME).write_text(body)
+    return staging
+
+
+def release(target: Path, staging: Path | None = None) -> None:
+    """Drop the claim (and the staging container, if it is still there: the save failed)."""
+    if staging is not None and staging.parent.exists():
+        shutil.rmtree(staging.parent, ignore_errors=True)
+    lock_path(target).unlink(missing_ok=True)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory, deepest first."""
+    dirs = [root]
+    for path in sorted(root.rglob("*")):
+        if path.is_dir():
+            dirs.append(path)
+        elif path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            write_point(f"fsync {path.name}")
+    for d in sorted(dirs, key=lambda p: -len(p.parts)):
+        fsync_dir(d)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); ``False`` where the OS or filesystem cannot."""
+    if os.environ.get("HF_HYBRID_EP_NO_RENAME_EXCHANGE"):  # the portable path, for tests
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {str(a)!r} and {str(b)!r} failed: {os.strerror(err)}")
+
+
+def commit(staging: Path, target: Path, save_id: str) -> None:
+    """fsync ``staging`` and put it in place of ``target`` atomically (see the module docstring)."""
+    fsync_tree(staging)
+    parent = target.parent
+    if not target.exists():
+        os.rename(staging, target)
+        write_point("renamed into place")
+    elif _exchange(staging, target):
+        write_point("exchanged")
+        fsync_dir(parent)
+        shutil.rmtree(staging)  # the previous checkpoint, now inside the container
+        write_point("old removed")
+    else:
+        old = old_path(target, save_id)
+        os.rename(target, old)
+        write_point("old renamed aside")
+        fsync_dir(parent)
+        os.rename(staging, target)
+        write_point("renamed into place")
+        fsync_dir(parent)
+        shutil.rmtree(old)
+    shutil.rmtree(staging.parent, ignore_errors=True)
+    fsync_dir(parent)
+    write_point("committed")
+
+
+def recover(target: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Complete or roll back a save interrupted between the two renames of the portable path.
+
+    Only acts when ``target`` is missing: a complete ``.new-*`` sibling is put in place, else the
+    ``.old-*`` sibling back. Old siblings beside an existing target are left for the next save.
+    """
+    if target.exists() or not target.parent.is_dir():
+        return
+    new = sorted(c / target.name for c in target.parent.glob(f".{target.name}.new-*"))
+    old = sorted(target.parent.glob(f".{target.name}.old-*"))
+    chosen = next((c for c in new if is_complete(c)), old[-1] if old else None)
+    if chosen is None:
+        return
+    logger.warning("%s an interrupted save: %s -> %s", "completing" if chosen in new else "rolling back",
+                   chosen.name, target.name)
+    try:
+        os.rename(chosen, target)
+    except OSError:  # another rank of the same job got there first
+        if not target.exists():
+            raise
+    fsync_dir(target.parent)
+
+
+def check_output_free(target: Path) -> None:
+    """Refuse an output that exists and is not an empty directory (checked before any work)."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"output {str(target)!r} already exists and is not empty")
+
+
+@contextmanager
+def staged_save(target: Path, *, save_id: str | None = None, fresh: bool = False) -> Iterator[tuple[Path, str]]:
+    """Claim ``target``, yield ``(staging directory, save id)``; on a clean exit write the manifest
+    (when the staging directory holds an index) and :func:`commit`. On an exception the staging
+    directory is removed and ``target`` is untouched.
+
+    Args:
+        fresh: ``target`` must not exist or be empty (convert, reshard, export), checked first.
+    """
+    target = Path(target)
+    recover(target, is_complete)
+    if fresh:
+        check_output_free(target)
+    save_id = save_id or new_save_id()
+    staging = claim(target, save_id)
+    try:
+        yield staging, save_id
+        if (staging / INDEX_NAME).is_file():
+            write_manifest(staging, save_id)
+        commit(staging, target, save_id)
+    finally:
+        release(target, staging)
+
+
+def open_checkpoint(root: str | os.PathLike[str], *, verify: bool = True, local: bool = True) -> CheckpointVerifier:
+    """The verifier of checkpoint ``root``, after completing or rolling back an interrupted save of it."""
+    root = Path(root)
+    if local:
+        recover(root, is_complete)
+    return CheckpointVerifier(root, verify=verify)
