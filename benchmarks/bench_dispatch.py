@@ -6,7 +6,8 @@ run), transformers' ``grouped_mm`` and ``eager`` experts implementations — as 
 (2) One MoE block (router + experts) alone at the shape of ``bench_training.py``'s model, forward and
 forward + backward, same three paths.
 CUDA (when a GPU is present): permute and unpermute-combine GB/s of the Triton kernels and of the
-torch path for T = 16k tokens, H = 4096, k = 8, E = 64, against a measured device-to-device copy.
+torch path for T = 16k tokens, H = 4096, k = 8, E = 64, against a measured device-to-device copy
+(median of per-call ``torch.cuda.Event`` timings; ``benchmarks/gpu_check.py`` reuses these helpers).
 
     python benchmarks/bench_dispatch.py --json bench_dispatch.json
 """
@@ -18,6 +19,7 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -111,40 +113,64 @@ def cpu_layer_comparison(repeat: int, tokens: int = 512, hidden: int = 512, expe
     return report
 
 
+def cuda_seconds(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median seconds of one call of ``fn`` on the current CUDA stream (``torch.cuda.Event`` timing, one
+    warm-up call, ``reps`` timed calls each bracketed by its own events)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+
+
+def routed_batch(tokens: int, hidden: int, k: int, experts: int, device: torch.device | str,
+                 dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random routing problem: ``x`` [T, H] activations, ``index`` [T, k] expert ids in ``[0, E)``,
+    ``weights`` [T, k] in ``[0, 1)`` (``dtype``), ``order`` [T*k] the stable expert sort of the flat pairs,
+    ``position`` [T*k] its inverse, ``rows`` [T*k, H] expert outputs in destination order."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    index = torch.randint(0, experts, (tokens, k), device=device, generator=g)
+    _, order = torch.sort(index.reshape(-1), stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=device)
+    return {
+        "x": torch.randn(tokens, hidden, device=device, dtype=torch.float32, generator=g).to(dtype),
+        "index": index,
+        "weights": torch.rand(tokens, k, device=device, generator=g).to(dtype),
+        "order": order,
+        "position": position,
+        "rows": torch.randn(tokens * k, hidden, device=device, dtype=torch.float32, generator=g).to(dtype),
+    }
+
+
+def copy_seconds(numel: int, dtype: torch.dtype, reps: int = 20) -> float:
+    """Median seconds of a device-to-device copy of ``numel`` elements (reads and writes ``numel`` each)."""
+    src = torch.empty(numel, device="cuda", dtype=dtype)
+    dst = torch.empty_like(src)
+    return cuda_seconds(lambda: dst.copy_(src), reps)
+
+
 def cuda_bandwidth() -> dict:
     from hf_hybrid_ep.dispatch.triton_kernels import fused_permute, fused_unpermute_combine
 
     tokens, hidden, k, experts = 16384, 4096, 8, 64
-    dev = torch.device("cuda")
-    x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
-    index = torch.randint(0, experts, (tokens, k), device=dev)
-    weights = torch.rand(tokens, k, device=dev)
-    _, order = torch.sort(index.reshape(-1), stable=True)
+    b = routed_batch(tokens, hidden, k, experts, "cuda", torch.bfloat16)
+    x, order, inverse, y = b["x"], b["order"], b["position"], b["rows"]
+    weights = b["weights"].float()
     rows = tokens * k
-    y = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
-
-    def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 / 1e3
-
     moved = rows * hidden * 2 * 2  # read + write of the routed rows, bf16
-    copy_src = torch.empty(rows, hidden, device=dev, dtype=torch.bfloat16)
-    copy_dst = torch.empty_like(copy_src)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(rows, device=dev)
     results = {
-        "copy": timed(lambda: copy_dst.copy_(copy_src)),
-        "permute_triton": timed(lambda: fused_permute(x, order, rows, k)),
-        "permute_torch": timed(lambda: x[order // k]),
-        "combine_triton": timed(lambda: fused_unpermute_combine(y, weights, order, tokens)),
-        "combine_torch": timed(lambda: (y[inverse] * weights.reshape(-1, 1)).view(tokens, k, hidden).sum(1)),
+        "copy": copy_seconds(rows * hidden, torch.bfloat16),
+        "permute_triton": cuda_seconds(lambda: fused_permute(x, order, rows, k)),
+        "permute_torch": cuda_seconds(lambda: x[order // k]),
+        "combine_triton": cuda_seconds(lambda: fused_unpermute_combine(y, weights, order, tokens)),
+        "combine_torch": cuda_seconds(lambda: (y[inverse] * weights.reshape(-1, 1)).view(tokens, k, hidden).sum(1)),
     }
     return {name: {"seconds": t, "GB_per_s": moved / t / 1e9} for name, t in results.items()} | {
         "device": torch.cuda.get_device_name(), "shape": {"T": tokens, "H": hidden, "k": k, "E": experts}}
