@@ -449,7 +449,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
     from .checkpoint.layout import build_meta_model, read_config
-    from .checkpoint.load import _assemble, _Reader, _weight_map, plan_rank_local
+    from .checkpoint.load import _assemble, _Reader, plan_rank_local
 
     root = Path(path)
     if not root.is_dir():
@@ -458,7 +458,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     model = build_meta_model(read_config(root, trust_remote_code), trust_remote_code)
     offload(model, capacity, policy, device=device, store=store, prefetch=prefetch)
     experts = {f"{layer.name}.{p}" for layer in _offloaded(model) for p in layer.param_names}
-    weight_map = _weight_map(root)
+    weight_map = store.weight_map
     reader = _Reader(root, weight_map, verifier=store.verifier)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())

@@ -107,9 +107,9 @@ class _Reader:
         if name not in self._handles:
             member = safe_member(self.root, name, INDEX_NAME)
             path = self.fetch(name) if self.fetch is not None else member
-            read_header(path)  # a clear error for a missing or truncated file
+            _, metadata = read_header(path)  # a clear error for a missing or truncated file
             if self.verifier is not None:
-                self.verifier.check(name, path)
+                self.verifier.check(name, path, metadata)
             self._handles[name] = safe_open(path, framework="pt")
         return self._handles[name]
 
@@ -154,16 +154,16 @@ def load_rank_local_(
     layers: list[ExpertParallelLayer],
     dtype: torch.dtype | None = None,
     fetch: Callable[[str], Path] | None = None,
-    verify: bool = True,
+    verifier: CheckpointVerifier | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (already sharded) from the checkpoint: meta parameters are
     replaced, live ones (a resume) are copied into in place.
 
     ``fetch(name)``, if given, returns the local path of weight file ``name`` (downloading it): only
-    files holding a needed key are asked for. Every file opened is checked against the index's
-    manifest (size and save id; sha256 unless ``verify=False``).
+    files holding a needed key are asked for. Every file opened is checked by ``verifier`` (default:
+    :func:`open_checkpoint` of ``root`` with sha256 on) against the index's manifest.
     """
-    verifier = open_checkpoint(root, verify=verify, local=fetch is None)
+    verifier = verifier or open_checkpoint(root, local=fetch is None)
     weight_map = _weight_map(root)
     targets = plan_rank_local(model, layers, weight_map)
     reader = _Reader(root, weight_map, fetch, verifier)
@@ -208,8 +208,9 @@ def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify
     from ..parallelize import state_of
 
     verify = state_of(model).config.verify_checksums if verify is None else verify
-    load_rank_local_(Path(root), model, state_of(model).layers, verify=verify)
-    load_side_state(model, root, open_checkpoint(root, verify=verify))
+    verifier = open_checkpoint(root, verify=verify)
+    load_rank_local_(Path(root), model, state_of(model).layers, verifier=verifier)
+    load_side_state(model, root, verifier)
 
 
 def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | None:
@@ -291,10 +292,11 @@ def from_pretrained(
 
     hf_config = read_config(root, trust_remote_code)
     config = with_checkpoint_placement(config or HybridEPConfig(), root)
-    verify = config.verify_checksums if verify is None else verify
+    verifier = open_checkpoint(root, verify=config.verify_checksums if verify is None else verify,
+                               local=fetch is None)
     model = build_meta_model(hf_config, trust_remote_code)
     parallelize(model, config,
-                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verify))
-    load_side_state(model, root, open_checkpoint(root, verify=verify, local=fetch is None))
+                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verifier))
+    load_side_state(model, root, verifier)
     model.eval()
     return model

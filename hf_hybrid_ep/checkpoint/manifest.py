@@ -122,7 +122,8 @@ class CheckpointVerifier:
     def __init__(self, root: Path, verify: bool = True) -> None:
         self.root, self.verify = Path(root), verify
         self.manifest = read_manifest(self.root) if self.root.is_dir() else None
-        self._checked: set[str] = set()
+        self._checked: set[str] = set()  # every check done
+        self._sized: set[str] = set()  # size and save id checked (by _check_listed)
         self._legacy = {} if self.manifest is not None else self._legacy_checksums()
 
     def _legacy_checksums(self) -> dict[str, dict[str, Any]]:
@@ -152,6 +153,8 @@ class CheckpointVerifier:
                 _, meta = read_header(path)
                 if meta.get(SAVE_ID_KEY) != self.save_id:
                     foreign.append(f"{name} (save {meta.get(SAVE_ID_KEY)})")
+                    continue
+            self._sized.add(name)
         where = str(self.root)
         if foreign:
             raise CheckpointError(
@@ -163,9 +166,10 @@ class CheckpointVerifier:
         if sized:
             raise CheckpointError(f"{where!r} has files of the wrong size: {', '.join(sized)}")
 
-    def check(self, name: str, path: Path | None = None) -> None:
+    def check(self, name: str, path: Path | None = None, metadata: dict[str, str] | None = None) -> None:
         """Check file ``name`` (at ``path``, default ``root / name``) before it is read: size and save id
-        always, sha256 when verifying. Each file is checked once."""
+        always (``metadata``: its safetensors header metadata, if the caller has read it), sha256 when
+        verifying. Each file is checked once."""
         if name in self._checked:
             return
         path = self.root / name if path is None else Path(path)
@@ -173,18 +177,23 @@ class CheckpointVerifier:
         if info is None:
             self._checked.add(name)
             return
-        size = path.stat().st_size
-        if info.get("bytes") is not None and size != info["bytes"]:
-            raise CheckpointError(f"{name}: {size} bytes on disk, the index records {info['bytes']}")
-        if self.manifest and name.endswith(".safetensors"):
-            _, meta = read_header(path)
-            if meta.get(SAVE_ID_KEY) != self.save_id:
-                raise CheckpointError(f"{name}: written by save {meta.get(SAVE_ID_KEY)}, the index by save "
-                                      f"{self.save_id} (a mixed checkpoint)")
+        if name not in self._sized:
+            self._check_size_and_save(name, path, info, metadata)
         if self.verify and info.get("sha256") and sha256_file(path) != info["sha256"]:
             raise CheckpointError(f"{name}: checksum mismatch (the file changed or is corrupt); "
                                   "pass verify=False only to skip hashing, never to load a corrupt file")
         self._checked.add(name)
+
+    def _check_size_and_save(self, name: str, path: Path, info: dict[str, Any],
+                             metadata: dict[str, str] | None) -> None:
+        size = path.stat().st_size
+        if info.get("bytes") is not None and size != info["bytes"]:
+            raise CheckpointError(f"{name}: {size} bytes on disk, the index records {info['bytes']}")
+        if self.manifest and name.endswith(".safetensors"):
+            meta = read_header(path)[1] if metadata is None else metadata
+            if meta.get(SAVE_ID_KEY) != self.save_id:
+                raise CheckpointError(f"{name}: written by save {meta.get(SAVE_ID_KEY)}, the index by save "
+                                      f"{self.save_id} (a mixed checkpoint)")
 
     def check_all(self) -> None:
         """Every listed file present with its size and save id (all problems named in one error), then
