@@ -740,7 +740,7 @@ def ctr_parity(dp: int, ep: int) -> dict:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "recsys_ctr"))
-    from data import ClickWorld
+    from data import FEATURES, ClickWorld
     from model import CTRModel
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -749,7 +749,7 @@ def ctr_parity(dp: int, ep: int) -> dict:
     ref = copy.deepcopy(model)
     hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
     data = ClickWorld().sample(64 * world, seed=3).with_format("torch")[:]  # dict of tensors
-    feats = ("user", "item", "category", "ctx", "real")
+    feats = FEATURES
     per = 64
     local = {k: data[k][rank * per : (rank + 1) * per] for k in (*feats, "click")}
     loss_fn = torch.nn.functional.binary_cross_entropy_with_logits

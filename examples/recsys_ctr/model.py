@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from data import CONTEXT_VALUES, N_CATEGORIES, N_CONTEXT, N_ITEMS, N_USERS
+from data import CONTEXT_VALUES, N_CATEGORIES, N_CONTEXT, N_DOMAINS, N_GROUPS, N_ITEMS
 from torch import nn
 
 from hf_hybrid_ep.nn import MoE, MoEConfig
@@ -35,12 +35,13 @@ def dense_width(kind: str) -> int:
 class CTRModel(nn.Module):
     def __init__(self, kind: str = "moe") -> None:
         super().__init__()
-        self.user = nn.Embedding(N_USERS, EMBED)
+        self.domain = nn.Embedding(N_DOMAINS, EMBED)
+        self.group = nn.Embedding(N_GROUPS, EMBED)
         self.item = nn.Embedding(N_ITEMS, EMBED)
         self.category = nn.Embedding(N_CATEGORIES, EMBED)
         self.ctx = nn.Embedding(N_CONTEXT * CONTEXT_VALUES, EMBED)
         self.real = nn.Linear(1, EMBED)
-        self.proj = nn.Linear((4 + N_CONTEXT) * EMBED, HIDDEN)
+        self.proj = nn.Linear((5 + N_CONTEXT) * EMBED, HIDDEN)
         if kind == "moe":
             self.mixture = MoE(MoEConfig(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, top_k=TOP_K,
                                          intermediate_size=EXPERT_WIDTH))
@@ -48,9 +49,10 @@ class CTRModel(nn.Module):
             self.mixture = GatedMLP(HIDDEN, dense_width(kind))
         self.interaction = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
 
-    def forward(self, user, item, category, ctx, real):
+    def forward(self, domain, group, item, category, ctx, real):
         offsets = torch.arange(N_CONTEXT, device=ctx.device) * CONTEXT_VALUES
-        fields = [self.user(user), self.item(item), self.category(category), self.real(real[:, None])]
+        fields = [self.domain(domain), self.group(group), self.item(item), self.category(category),
+                  self.real(real[:, None])]
         fields += list(self.ctx(ctx + offsets).unbind(1))
         h = torch.relu(self.proj(torch.cat(fields, dim=-1)))
         h = h + self.mixture(h)

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from datasets import load_from_disk
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data import FEATURES  # noqa: E402
 from model import CTRModel, parameter_counts  # noqa: E402
 
 import hf_hybrid_ep as hep  # noqa: E402
 
-FEATURES = ("user", "item", "category", "ctx", "real")
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
