@@ -42,9 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out")
 
     from .planner import __doc__ as memory_model
+    from .step_time import __doc__ as step_model
 
-    p = sub.add_parser("plan", help="memory and communication of every dp × ep layout for a cluster",
-                       description=memory_model, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("plan", help="memory, communication and predicted step time of every dp × ep layout",
+                       description=f"{memory_model}\nStep time (hf_hybrid_ep/step_time.py):\n\n{step_model}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="config.json, a checkpoint directory, a Hub repo id (well-known "
                    "MoE models are shipped: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, "
                    "deepseek-ai/DeepSeek-V3, openai/gpt-oss-120b)")
@@ -59,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="zero1: optimizer state sharded over the world (dense) and the EDP group (experts)")
     p.add_argument("--dense-sharding", choices=["replicate", "fsdp"], default="replicate",
                    help="fsdp: dense weights, gradients and state FSDP2-sharded over the world")
+    p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step over all GPUs, "
+                   "a multiple of gpus × micro-batch × seq-len (default: one micro-batch per GPU)")
+    p.add_argument("--device-tflops", type=float, default=None, help="peak dense TFLOP/s of one GPU in the "
+                   "training dtype (default 989: H100 SXM bf16)")
+    p.add_argument("--efficiency", type=float, default=None, help="achieved share of that peak, in (0, 1] "
+                   "(default 0.4)")
+    p.add_argument("--calibrate", action="store_true", help="measure achieved fwd+bwd GEMM FLOP/s on this machine "
+                   "(instead of --device-tflops × --efficiency); link bandwidths still come from --topology")
+    p.add_argument("--calibrate-seconds", type=float, default=10.0, help="time budget of --calibrate, in (0, 30]")
+    p.add_argument("--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s for the "
+                   "optimizer term (default 3350: H100 SXM)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
@@ -109,6 +122,48 @@ def _check_args(args: argparse.Namespace) -> None:
         raise HybridEPConfigError(f"--replicas must be ≥ 0 (extra copies of hot experts), got {args.replicas}")
     if getattr(args, "tolerance", None) is not None and not args.tolerance >= 0:
         raise HybridEPConfigError(f"--tolerance must be a non-negative fraction, got {args.tolerance}")
+    if args.command == "plan":
+        _check_plan_args(args)
+
+
+def _check_plan_args(args: argparse.Namespace) -> None:
+    """The step-time flags of ``plan``: positive, in range, and not contradicting ``--calibrate``."""
+    import math
+
+    if args.tokens_per_step is not None:
+        unit = args.gpus * args.micro_batch * args.seq_len
+        if args.tokens_per_step < 1 or args.tokens_per_step % unit:
+            raise HybridEPConfigError(
+                f"--tokens-per-step {args.tokens_per_step} must be a positive multiple of --gpus × --micro-batch × "
+                f"--seq-len = {args.gpus} × {args.micro_batch} × {args.seq_len} = {unit} (whole micro-batches on "
+                f"every GPU; nearest: {max(1, round(args.tokens_per_step / unit)) * unit})")
+    for name, flag in (("device_tflops", "--device-tflops"), ("memory_gbps", "--memory-gbps")):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise HybridEPConfigError(f"{flag} must be a positive number, got {value}")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise HybridEPConfigError(f"--efficiency must be in (0, 1] (achieved / peak FLOP/s), got {args.efficiency}")
+    if not 0 < args.calibrate_seconds <= 30:
+        raise HybridEPConfigError(f"--calibrate-seconds must be in (0, 30], got {args.calibrate_seconds}")
+    if args.calibrate and (args.device_tflops is not None or args.efficiency is not None):
+        raise HybridEPConfigError("--calibrate measures the achieved FLOP/s itself: leave out --device-tflops "
+                                  f"{args.device_tflops} / --efficiency {args.efficiency}")
+
+
+def _plan_calibration(args: argparse.Namespace) -> dict | None:
+    """``--calibrate``: the measured compute rate, and where the link bandwidths come from."""
+    if not args.calibrate:
+        return None
+    from dataclasses import asdict
+
+    from .step_time import calibrate_compute, launched_world
+
+    result = asdict(calibrate_compute(args.calibrate_seconds))
+    world = launched_world()
+    result["links"] = ("from the topology spec, not measured: not inside a launched world" if world == 1 else
+                       f"from the topology spec, not measured: inside a launched world of {world} ranks, but "
+                       "measuring links is not implemented")
+    return result
 
 
 def _traffic_line(t: dict) -> str:
@@ -192,9 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             recipe = f"{args.precision}-{args.optimizer}"
             if recipe == "fp32-sgd":
                 raise HybridEPConfigError("--precision fp32 --optimizer sgd is not a modelled recipe")
+            calibration = _plan_calibration(args)
             result = plan(args.model, args.gpus, args.gpu_memory_gb, args.topology, args.micro_batch, args.seq_len,
                           recipe, args.optimizer_sharding, args.dense_sharding,
-                          trust_remote_code=args.trust_remote_code)
+                          trust_remote_code=args.trust_remote_code, tokens_per_step=args.tokens_per_step,
+                          device_flops=calibration["flops_per_s"] if calibration else (
+                              None if args.device_tflops is None else args.device_tflops * 1e12),
+                          efficiency=1.0 if calibration else args.efficiency, memory_gbps=args.memory_gbps,
+                          calibration=calibration)
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "place":
             _place(args)

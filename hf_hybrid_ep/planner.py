@@ -19,13 +19,14 @@ Memory model (per GPU, layout dp × ep on W = dp·ep GPUs):
   width I, E experts) and ``34·B·S·H`` for a dense layer. With activation checkpointing: the layer
   inputs ``2·B·S·H`` per layer plus one layer's full activations.
 
-Communication per optimizer step (one micro-batch, bf16 gradients and activations):
+Communication per optimizer step (n micro-batches per GPU, ``tokens_per_step / (W·B·S)``, one by
+default; bf16 gradients and activations):
 
 * dense gradient all-reduce over the world (ring): ``2·(W−1)/W · 2·P_dense``;
 * expert gradient all-reduce over each EDP group of dp ranks: ``2·(dp−1)/dp · 2·P_experts/ep``;
-* all-to-all per MoE layer: ``k·B·S·H·2`` bytes routed, a fraction ``(ep−1)/ep`` crossing ranks,
-  for dispatch and combine, forward and backward (×4; ×6 with checkpointing, which recomputes the
-  forward).
+* all-to-all per MoE layer and micro-batch: ``k·B·S·H·2`` bytes routed, a fraction ``(ep−1)/ep``
+  crossing ranks, for dispatch and combine, forward and backward (×4; ×6 with checkpointing, which
+  recomputes the forward).
 
 Topology (``--topology``, :mod:`hf_hybrid_ep.topology`): ranks fill nodes of ``gpus_per_node`` GPUs
 and racks of ``nodes_per_rack`` nodes; EP groups are consecutive ranks, so an EP group lies inside a
@@ -40,9 +41,22 @@ group would straddle a node boundary is left out). Bytes are split per GPU by th
   (``2·(g−1)/g · size`` over the intra-node link), then a ring over the N nodes on 1/g of the data
   (``2·(N−1)/N · size/g`` over the network; it crosses racks when the group spans racks).
 
-Time estimate: per level, bytes / that level's bandwidth (GB/s per GPU); the levels of one
-collective are summed (NVLink, network and spine are used one after the other by a hierarchical
-collective), and the collectives of a step are summed (no overlap assumed).
+Communication time (``est_step_comm_s``, kept as it was): per level, bytes / that level's bandwidth
+(GB/s per GPU); the levels of one collective are summed (NVLink, network and spine are used one after
+the other by a hierarchical collective), and the collectives of a step are summed (no overlap assumed).
+
+Predicted step time (``step_time``, :mod:`hf_hybrid_ep.step_time`, whose docstring states every
+formula): ``compute + exposed communication + optimizer``, where compute = ``T · (6·N_active +
+6·L·S·(d_qk + d_v)) / (device FLOP/s · efficiency)`` (×4/3 with checkpointing; T tokens per GPU per
+step, N_active = dense − input-embedding lookup + k/E · expert parameters), the token exchange is
+exposed in full (``max`` of the intra-node and the network part: they run concurrently), the
+gradient reduction is hidden behind the last micro-batch's backward up to that backward's length,
+ZeRO-1 and FSDP2 gathers are exposed in full, and the optimizer reads and writes its state at the
+memory bandwidth. A layout that fits only with activation checkpointing is timed with it. The
+recommended layout is the fastest predicted that fits (a tie goes to less memory); the fastest
+hybrid (dp > 1, ep > 1) is compared with pure EP (dp = 1): the samples/s ratio, ``T/T*`` (T* the
+tokens per GPU and step at which the hybrid's cross-node expert-gradient bytes equal pure EP's
+cross-node token bytes) and ``r_x`` (pure EP's cross-node token-exchange time / compute time).
 """
 
 from __future__ import annotations
@@ -50,13 +64,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, PretrainedConfig
 
 from .checkpoint.layout import _from_config
 from .experts import check_shardable, expert_parameter_names
 from .topology import Topology, ep_group_layout
+
+if TYPE_CHECKING:
+    from .step_time import StepTime
 
 KNOWN_CONFIGS = Path(__file__).resolve().parent / "known_configs"
 RECIPES = {"bf16-adamw": (2, 2, 12), "fp32-adamw": (4, 4, 8), "bf16-sgd": (2, 2, 4)}  # weights, grads, optimizer
@@ -80,6 +97,9 @@ class ModelCounts:
     heads: int
     expert_width: int
     dense_shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)  # for FSDP's dim-0 shards
+    embedding_lookup_params: int = 0  # input-embedding table not tied to the output projection (no FLOPs)
+    qk_dim: int = 0  # heads × query/key head width (attention scores); 0: hidden
+    v_dim: int = 0  # heads × value head width; 0: hidden
 
 
 def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -124,12 +144,19 @@ def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     top_k = next(getattr(text, a) for a in ("num_experts_per_tok", "moe_k", "top_k") if hasattr(text, a))
     width = first.down_proj.shape[1] if first.is_transposed else first.down_proj.shape[2]  # I
+    heads = int(text.num_attention_heads)
+    head = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
+    qk = getattr(text, "qk_head_dim", None) or head  # MLA (DeepSeek): no-RoPE + RoPE parts
+    v = getattr(text, "v_head_dim", None) or head
+    table, output = model.get_input_embeddings(), model.get_output_embeddings()
+    lookup = table.weight.numel() if output is None or output.weight is not table.weight else 0
     return ModelCounts(
         model_type=config.model_type, total_params=total, dense_params=total - expert, expert_params=expert,
         num_experts=first.num_experts, top_k=int(top_k), moe_layers=len(found),
         dense_layers=int(text.num_hidden_layers) - len(found), hidden=int(text.hidden_size),
-        heads=int(text.num_attention_heads), expert_width=int(width),
+        heads=heads, expert_width=int(width),
         dense_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in expert_ids),
+        embedding_lookup_params=int(lookup), qk_dim=heads * int(qk), v_dim=heads * int(v),
     )
 
 
@@ -194,6 +221,7 @@ class LayoutPlan:
     comm_bytes_intra_node: int = 0  # per GPU per step, by the link level crossed
     comm_bytes_inter_node: int = 0
     comm_bytes_cross_rack: int = 0
+    step_time: StepTime | None = None  # predicted step (hf_hybrid_ep.step_time), checkpointed unless it fits without
 
 
 def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
@@ -208,7 +236,8 @@ def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
 
 def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, topo: Topology,
                 batch: int, seq: int, recipe: str, optimizer_sharding: str = "none",
-                dense_sharding: str = "replicate") -> LayoutPlan:
+                dense_sharding: str = "replicate", micro_batches: int = 1) -> LayoutPlan:
+    """Memory, fit and communication bytes of one layout; ``micro_batches`` per GPU per step."""
     w, g, o = RECIPES[recipe]
     rank0 = rank_state_bytes(m, dp, ep, 0, recipe, optimizer_sharding, dense_sharding)  # rank 0 holds the most
     held = rank0["params"]
@@ -216,7 +245,7 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
     state = rank0["weight_bytes"] + rank0["grad_bytes"] + rank0["optimizer_bytes"]
     dense_ar = 2 * (gpus - 1) / gpus * m.dense_params * g if gpus > 1 else 0
     expert_ar = 2 * (dp - 1) / dp * (m.expert_params / ep) * g if dp > 1 else 0
-    routed = m.top_k * batch * seq * m.hidden * 2 * m.moe_layers
+    routed = m.top_k * batch * seq * m.hidden * 2 * m.moe_layers * micro_batches
     a2a = routed * (ep - 1) / ep * 4
     split = _comm_split(gpus, dp, ep, topo, m.dense_params * g, m.expert_params / ep * g, routed * 4)
     seconds = sum(split[level] / (topo.bandwidth(level) * 1e9) for level in split)
@@ -269,35 +298,93 @@ def _comm_split(gpus: int, dp: int, ep: int, topo: Topology, dense_bytes: float,
 
 def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topology: str | None = None,
          micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw", optimizer_sharding: str = "none",
-         dense_sharding: str = "replicate", *, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Every dp × ep layout of ``gpus`` GPUs: memory, communication, fit; the recommended layout.
+         dense_sharding: str = "replicate", *, trust_remote_code: bool = False, tokens_per_step: int | None = None,
+         device_flops: float | None = None, efficiency: float | None = None, memory_gbps: float | None = None,
+         calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every dp × ep layout of ``gpus`` GPUs: memory, communication, predicted step time, fit; the
+    recommended layout (the fastest predicted that fits, with activation checkpointing where only that
+    fits; a tie goes to less memory) and the fastest hybrid against pure EP.
 
-    ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
+    ``tokens_per_step`` (over the world; default one micro-batch per GPU), ``device_flops`` (peak FLOP/s
+    of a GPU; default H100 bf16, 989e12), ``efficiency`` (default 0.4) and ``memory_gbps`` (default
+    3350) feed :func:`hf_hybrid_ep.step_time.predict_step_time`; ``calibration`` (a
+    :class:`~hf_hybrid_ep.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
+    from ``topology``. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
+    from .step_time import DEFAULT_EFFICIENCY, H100_BF16_FLOPS, H100_MEMORY_GBPS, check_step_inputs
+
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
+    sources = {"device_flops": "default" if device_flops is None else "given",
+               "efficiency": "default" if efficiency is None else "given",
+               "memory_gbps": "default" if memory_gbps is None else "given"}
+    if calibration is not None:
+        sources.update(device_flops="calibrated", efficiency="calibrated")
+    device_flops = H100_BF16_FLOPS if device_flops is None else device_flops
+    efficiency = DEFAULT_EFFICIENCY if efficiency is None else efficiency
+    memory_gbps = H100_MEMORY_GBPS if memory_gbps is None else memory_gbps
+    tokens_per_step = gpus * micro_batch * seq_len if tokens_per_step is None else tokens_per_step
+    check_step_inputs(gpus, tokens_per_step, micro_batch, seq_len, device_flops, efficiency, memory_gbps)
     config = load_config(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
     counts = count_parameters(config, trust_remote_code)
     topo = Topology.parse(topology)
     memory = int(gpu_memory_gb * 2**30)
     topo.check_world(gpus)
     sharding = (optimizer_sharding, dense_sharding)
-    layouts = [plan_layout(counts, gpus, gpus // ep, ep, memory, topo, micro_batch, seq_len, recipe, *sharding)
+    micro_batches = tokens_per_step // (gpus * micro_batch * seq_len)
+    layouts = [plan_layout(counts, gpus, gpus // ep, ep, memory, topo, micro_batch, seq_len, recipe, *sharding,
+                           micro_batches=micro_batches)
                for ep in range(1, gpus + 1) if gpus % ep == 0 and counts.num_experts % ep == 0
                and _follows(gpus, ep, topo)]
-    fitting = [p for p in layouts if p.fits] or [p for p in layouts if p.fits_with_checkpointing]
-    best = min(fitting, key=lambda p: (p.est_step_comm_s, p.memory_per_gpu_bytes), default=None)
+    from .step_time import compare, predict_step_time
+
+    for p in layouts:
+        p.step_time = predict_step_time(
+            counts, p.dp, p.ep, topo, tokens_per_step=tokens_per_step, micro_batch=micro_batch, seq_len=seq_len,
+            activation_checkpointing=not p.fits and p.fits_with_checkpointing, device_flops=device_flops,
+            efficiency=efficiency, memory_gbps=memory_gbps, optimizer_sharding=optimizer_sharding,
+            dense_sharding=dense_sharding, recipe=recipe)
+    fitting = [p for p in layouts if p.fits_with_checkpointing]
+    best = min(fitting, key=lambda p: (p.step_time.step_s, _memory_used(p)), default=None)
     result: dict[str, Any] = {
         "model": {k: v for k, v in asdict(counts).items() if k != "dense_shapes"}, "gpus": gpus, "gpu_memory_bytes": memory, "topology": asdict(topo),
         "micro_batch": micro_batch, "seq_len": seq_len, "recipe": recipe,
         "optimizer_sharding": optimizer_sharding, "dense_sharding": dense_sharding,
+        "step_time_model": {
+            "tokens_per_step": tokens_per_step, "device_flops": device_flops, "efficiency": efficiency,
+            "effective_flops": device_flops * efficiency, "memory_gbps": memory_gbps, "sources": sources,
+            "calibration": calibration,
+            "links": {"source": "topology spec", "intra_node_gbps": topo.nvlink_gbps,
+                      "inter_node_gbps": topo.network_gbps, "cross_rack_gbps": topo.rack_gbps},
+        },
         "layouts": [asdict(p) for p in layouts],
         "recommended": None if best is None else {"dp": best.dp, "ep": best.ep,
                                                   "activation_checkpointing": not best.fits},
+        "hybrid_vs_pure_ep": _hybrid_vs_pure_ep(layouts, compare),
     }
     if best is None:
         result["advice"] = _advice(counts, gpus, gpu_memory_gb, memory, topo, micro_batch, seq_len, recipe, layouts,
                                    sharding)
     return result
+
+
+def _memory_used(p: LayoutPlan) -> int:
+    """Bytes per GPU of a layout as it would run: checkpointed when only that fits."""
+    return p.memory_per_gpu_bytes if p.fits or not p.fits_with_checkpointing else p.memory_per_gpu_checkpointed_bytes
+
+
+def _hybrid_vs_pure_ep(layouts: list[LayoutPlan], compare: Any) -> dict[str, Any] | None:
+    """The fastest hybrid layout (dp > 1 and ep > 1; among those that fit, if any do) against pure EP
+    (dp = 1), with ``fits`` for each side; ``None`` when either is missing."""
+    hybrids = [p for p in layouts if p.dp > 1 and p.ep > 1]
+    hybrids = [p for p in hybrids if p.fits_with_checkpointing] or hybrids
+    pure = next((p for p in layouts if p.dp == 1 and p.ep > 1), None)
+    if not hybrids or pure is None:
+        return None
+    hybrid = min(hybrids, key=lambda p: (p.step_time.step_s, _memory_used(p)))
+    out = compare(hybrid.step_time, pure.step_time)
+    out["hybrid"]["fits"] = hybrid.fits_with_checkpointing
+    out["pure_ep"]["fits"] = pure.fits_with_checkpointing
+    return out
 
 
 def _follows(gpus: int, ep: int, topo: Topology) -> bool:
@@ -336,27 +423,68 @@ def _advice(counts: ModelCounts, gpus: int, gpu_memory_gb: float, memory: int, t
             "message": message}
 
 
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.4g} TFLOP/s"
+
+
 def format_plan(result: dict[str, Any]) -> str:
+    """The plan as text: a header, one table row per layout, the step-time assumptions, the
+    recommendation and the hybrid / pure-EP comparison."""
     m = result["model"]
+    model = result["step_time_model"]
+    tokens = model["tokens_per_step"]
+    per_gpu = tokens // result["gpus"]
     lines = [f"{m['model_type']}: {m['total_params'] / 1e9:.2f}B parameters ({m['dense_params'] / 1e9:.2f}B dense, "
              f"{m['expert_params'] / 1e9:.2f}B in {m['num_experts']} experts × {m['moe_layers']} MoE layers, top-{m['top_k']}); "
              f"{result['gpus']} GPUs × {result['gpu_memory_bytes'] / 2**30:.0f} GiB, recipe {result['recipe']}, "
              f"optimizer sharding {result.get('optimizer_sharding', 'none')}, dense {result.get('dense_sharding', 'replicate')}, "
-             f"micro-batch {result['micro_batch']} × {result['seq_len']} tokens",
-             "| dp × ep | params/GPU | state GiB | activations GiB (ckpt) | total GiB (ckpt) | fits | comm MiB/step | est comm s |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"micro-batch {result['micro_batch']} × {result['seq_len']} tokens; {tokens} tokens per step "
+             f"({tokens // result['seq_len']} samples, {per_gpu // (result['micro_batch'] * result['seq_len'])} "
+             f"micro-batches per GPU)",
+             "| dp × ep | params/GPU | state GiB | activations GiB (ckpt) | total GiB (ckpt) | fits | comm MiB/step | "
+             "comm s (no overlap) | compute s | exposed comm s | step s | samples/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["layouts"]:
         state = (p["weight_bytes"] + p["grad_bytes"] + p["optimizer_bytes"]) / 2**30
         fits = "yes" if p["fits"] else ("ckpt" if p["fits_with_checkpointing"] else "no")
+        t = p["step_time"]
         lines.append(f"| {p['dp']} × {p['ep']} | {p['params_per_gpu'] / 1e9:.2f}B | {state:.1f} | "
                      f"{p['activation_bytes'] / 2**30:.1f} ({p['activation_bytes_checkpointed'] / 2**30:.1f}) | "
                      f"{p['memory_per_gpu_bytes'] / 2**30:.1f} ({p['memory_per_gpu_checkpointed_bytes'] / 2**30:.1f}) | "
-                     f"{fits} | {p['comm_bytes_per_step'] / 2**20:.0f} | {p['est_step_comm_s']:.3f} |")
+                     f"{fits} | {p['comm_bytes_per_step'] / 2**20:.0f} | {p['est_step_comm_s']:.3f} | "
+                     f"{t['compute_s']:.4g} | {t['exposed_comm_s']:.4g} | {t['step_s']:.4g} | {t['samples_per_s']:.4g} |")
+    src, links = model["sources"], model["links"]
+    if model["calibration"] is not None:
+        c = model["calibration"]
+        compute = (f"compute at {_rate(model['effective_flops'])}, measured on this machine (--calibrate: "
+                   f"fwd+bwd of {c['layers']} × {c['size']}² {c['dtype']} GEMMs on {c['device']}, "
+                   f"{c['repeats']} passes, {c['seconds']:.1f} s)")
+    else:
+        compute = (f"compute at {_rate(model['device_flops'])} peak × efficiency {model['efficiency']:g} = "
+                   f"{_rate(model['effective_flops'])} ({src['device_flops']} peak, {src['efficiency']} efficiency)")
+    where = model["calibration"]["links"] if model["calibration"] else "from the topology spec"
+    lines.append(f"step time (ckpt rows checkpointed): {compute}; links {where} "
+                 f"(intra-node {links['intra_node_gbps']:g}, inter-node {links['inter_node_gbps']:g}, cross-rack "
+                 f"{links['cross_rack_gbps']:g} GB/s per GPU); optimizer at {model['memory_gbps']:g} GB/s memory "
+                 f"({src['memory_gbps']})")
     rec = result["recommended"]
     if rec is None:
         lines.append(result["advice"]["message"])
     else:
+        best = next(p for p in result["layouts"] if (p["dp"], p["ep"]) == (rec["dp"], rec["ep"]))
         lines.append(f"recommended: dp {rec['dp']} × ep {rec['ep']}"
-                     + (" with activation checkpointing" if rec["activation_checkpointing"] else ""))
+                     + (" with activation checkpointing" if rec["activation_checkpointing"] else "")
+                     + f" (fastest predicted that fits): {best['step_time']['step_s']:.4g} s/step, "
+                     f"{best['step_time']['samples_per_s']:.4g} samples/s")
+    cmp = result.get("hybrid_vs_pure_ep")
+    if cmp is None:
+        lines.append("hybrid / pure EP: no pair here (needs a layout with dp > 1 and ep > 1 and one with dp = 1)")
+    else:
+        h, e = cmp["hybrid"], cmp["pure_ep"]
+        star = ("pure EP sends no token across nodes" if cmp["T_star"] is None
+                else f"T* = {cmp['T_star']:.5g} (T/T* = {cmp['T_over_T_star']:.4g})")
+        lines.append(f"hybrid dp {h['dp']} × ep {h['ep']}{'' if h['fits'] else ' (does not fit)'} / pure EP dp 1 × "
+                     f"ep {e['ep']}{'' if e['fits'] else ' (does not fit)'}: {cmp['ratio']:.3g} × samples/s predicted; "
+                     f"T = {cmp['T']} tokens/rank/step, {star}; r_x = {cmp['r_x']:.3g} (pure EP's cross-node token "
+                     "exchange s / compute s)")
     return "\n".join(lines)
-
