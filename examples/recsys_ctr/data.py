@@ -1,9 +1,9 @@
 """A synthetic multi-domain click-through world (the generator is fixed in advance; its hash is in
 docs/moe_layer.md).
 
-Every example happens in one of 32 *domains* (surfaces × markets of a recommender: home feed, search,
-e-mail, … in each country), observed as a feature. A user belongs to one of 50 observable user groups
-(age × region × device buckets), an item to one of 30 categories; there are 3 categorical context
+Every example happens in one of 16 *domains* (surfaces × markets of a recommender: home feed, search,
+e-mail, … in each country), observed as a feature. A user belongs to one of 20 observable user groups
+(age × region × device buckets), an item to one of 20 categories; there are 3 categorical context
 features with 10 values each and one real feature. Every value has a hidden vector (dim 4) shared by
 all domains: ``a_g`` (user group), ``c_cat`` (category), ``q_{j,v}`` (context feature j = v). The click
 logit is
@@ -13,14 +13,15 @@ logit is
 with a **per-domain interaction matrix** ``M_d`` (4 × 4), per-domain context and real-feature weights
 ``u_d`` and ``r_d``, a scale ``s`` and a bias ``b`` that sets the base click rate to about 10%. Which
 user groups like which categories differs per domain: the signal is a three-way interaction domain ×
-user group × category, every cell of which (48,000) is seen a few times in a 200k-example run while
+user group × category, every cell of which (6,400) is seen about 30 times in a 200k-example run while
 every group, category and domain is seen thousands of times. A model that picks a sub-network per
 domain (a mixture of experts routed on the domain) represents it with one bilinear map per domain; a
 single dense MLP must build the three-way product out of its width. That is the structure this world
 favours, on purpose.
 
-Version 3 (version 2 had 200 groups, 50 categories, full-rank per-domain one-hot context weights and
-2,000 item ids with their own bias; no neural model learned it, see docs/moe_layer.md).
+Version 4. Version 3 had 32 domains, 50 groups and 30 categories (48,000 cells); version 2 had 200
+groups, 50 categories, full-rank per-domain one-hot context weights and 2,000 item ids with their own
+bias. The neural models did not learn either in a few minutes; see docs/moe_layer.md.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset
 
-N_DOMAINS, N_GROUPS, N_CATEGORIES = 32, 50, 30
+N_DOMAINS, N_GROUPS, N_CATEGORIES = 16, 20, 20
 N_CONTEXT, CONTEXT_VALUES, RANK = 3, 10, 4
-SCALE, BASE_RATE = 0.8, 0.10
+SCALE, BASE_RATE = 0.7, 0.10
 WORLD_SEED = 2026  # the hidden world (vectors, matrices, bias) is the same for every split
 FEATURES = ("domain", "group", "category", "ctx", "real")
 
