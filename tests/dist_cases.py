@@ -735,35 +735,14 @@ def routing_metrics(dp: int, ep: int, steps: int = 3, **controls) -> dict:
 
 
 def ctr_parity(dp: int, ep: int) -> dict:
-    """One Adam step of the CTR example's MoE model on hybrid EP vs one process on the global batch."""
+    """One Adam step of the CTR example's MoE model on hybrid EP vs one process (the example's own check)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "recsys_ctr"))
-    from data import FEATURES, ClickWorld
-    from model import CTRModel
+    from step_parity import one_step_parity
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = CTRModel("moe")
-    ref = copy.deepcopy(model)
-    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
-    data = ClickWorld().sample(64 * world, seed=3).with_format("torch")[:]  # dict of tensors
-    feats = FEATURES
-    per = 64
-    local = {k: data[k][rank * per : (rank + 1) * per] for k in (*feats, "click")}
-    loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-3, eps=ADAM_EPS) for m in (model, ref)]
-    loss = loss_fn(model(*(local[k] for k in feats)), local["click"])
-    loss.backward()
-    ref_loss = loss_fn(ref(*(data[k] for k in feats)), data["click"])
-    ref_loss.backward()
-    for o in opts:
-        o.step()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    return {"loss_rel": abs(mean.item() / world - ref_loss.item()) / ref_loss.item(), **_compare_params(model, ref),
-            "local_experts": len(hep.state_of(model).layers[0].local_experts)}
+    return one_step_parity(dp, ep)
 
 
 def overlap_equivalence(model_type: str, ep: int, degree: int) -> dict:

@@ -40,6 +40,5 @@ def test_bad_layer_settings():
 @pytest.mark.parametrize("layout", [(2, 2), (1, 4)], ids=["dp2xep2", "dp1xep4"])
 def test_ctr_model_step_equals_single_process(pools, layout):
     for r in pools(4).run(cases.ctr_parity, *layout):
-        assert r["loss_rel"] <= cases.REL_TOL and r["violations"] == [], r
-        assert r["max_param_rel"] <= cases.REL_TOL, r
+        assert r["loss_rel"] <= cases.REL_TOL and r["max_param_rel"] <= cases.REL_TOL and r["passed"], r
         assert r["local_experts"] == 128 // layout[1]

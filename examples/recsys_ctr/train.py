@@ -43,6 +43,24 @@ def log_loss(labels: np.ndarray, probs: np.ndarray) -> float:
     return float(-(labels * np.log(p) + (1 - labels) * np.log(1 - p)).mean())
 
 
+def predict(model, test: dict, rank: int, world: int, usable: int, per_rank: int, distributed: bool) -> np.ndarray:
+    """Click probabilities for the first ``usable`` held-out examples (every rank scores an equal slice:
+    the MoE layer's exchange is collective); the whole array on every rank."""
+    model.eval()
+    lo, hi = rank * usable // world, (rank + 1) * usable // world
+    probs = []
+    with torch.no_grad():
+        for s in range(lo, hi, per_rank):
+            e = min(s + per_rank, hi)
+            probs.append(torch.sigmoid(model(*(test[k][s:e] for k in FEATURES))))
+    local = torch.cat(probs)
+    if distributed:
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        local = torch.cat(gathered)
+    return local.numpy()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kind", choices=["moe", "dense_active", "dense_total"], required=True)
@@ -50,9 +68,11 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=None)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--batch", type=int, default=1024, help="global batch")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch", type=int, default=256, help="global batch")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--curve-points", type=int, default=12,
+                        help="held-out AUC this many times during training (equally spaced in samples)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -73,10 +93,15 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     per_rank = args.batch // world
     steps = n_train // args.batch
-    start = time.perf_counter()
-    model.train()
+    usable = n_test // world * world
+    labels = test["click"][:usable].numpy()
+    total_steps = steps * args.epochs
+    marks = {round(total_steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
+    curve, elapsed, done = [], 0.0, 0
     for epoch in range(args.epochs):
         order = torch.randperm(n_train, generator=torch.Generator().manual_seed(1000 * args.seed + epoch))
+        start = time.perf_counter()
+        model.train()
         for step in range(steps):
             idx = order[step * args.batch + rank * per_rank : step * args.batch + (rank + 1) * per_rank]
             logits = model(*(cols[k][idx] for k in FEATURES))
@@ -84,27 +109,21 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-    elapsed = time.perf_counter() - start
-    model.eval()
-    usable = n_test // world * world
-    lo, hi = rank * usable // world, (rank + 1) * usable // world
-    probs = []
-    with torch.no_grad():
-        for s in range(lo, hi, per_rank):
-            e = min(s + per_rank, hi)
-            probs.append(torch.sigmoid(model(*(test[k][s:e] for k in FEATURES))))
-    local = torch.cat(probs)
-    if distributed:
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local)
-        local = torch.cat(gathered)
+            done += 1
+            if done in marks:
+                elapsed += time.perf_counter() - start
+                probs = predict(model, test, rank, world, usable, per_rank, distributed)
+                curve.append([done * args.batch, auc(labels, probs) if rank == 0 else None])
+                model.train()
+                start = time.perf_counter()
+        elapsed += time.perf_counter() - start
+    probs = predict(model, test, rank, world, usable, per_rank, distributed)
     if rank == 0:
-        labels = test["click"][:usable].numpy()
         result = {
             "kind": args.kind, "seed": args.seed, "dp": args.dp, "ep": args.ep, "world": world,
-            "auc": auc(labels, local.numpy()), "logloss": log_loss(labels, local.numpy()),
-            "samples_per_s": steps * args.batch * args.epochs / elapsed, "train_examples": n_train,
-            "test_examples": usable, "parameters": counts,
+            "auc": auc(labels, probs), "logloss": log_loss(labels, probs), "curve": curve,
+            "samples_per_s": total_steps * args.batch / elapsed, "train_examples": n_train,
+            "test_examples": usable, "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "parameters": counts,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
