@@ -49,6 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from regimes import REGIMES  # noqa: E402
+
 PREFIX = "hbep-"  # every namespace and link this script creates starts with this
 # Default memory budget per rank, in units of one full replica's parameter bytes: its parameters, gradients and
 # two AdamW moments (4) plus half a replica for activations and communication buffers. A pure-DP rank needs the
@@ -1063,6 +1066,141 @@ def chart(runs: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def memory_rate_gbps(seconds: float = 1.0) -> float:
+    """Bytes read + written per second by a large tensor copy on this machine (the optimizer term's rate)."""
+    import torch
+
+    src, dst = torch.empty(2**25), torch.empty(2**25)  # 128 MiB each
+    dst.copy_(src)
+    rates, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        dst.copy_(src)
+        rates.append(2 * src.numel() * 4 / (time.perf_counter() - t))
+    return statistics.median(rates) / 1e9
+
+
+def run_regime(regime, args) -> None:
+    """One regime: the calibration run on the flat fabric, the link rate it implies, the table on the two-node
+    fabric, target vs achieved ratios, and the step-time model's predictions against every run."""
+    import regimes as rg
+
+    from hf_hybrid_ep.planner import count_parameters
+
+    world = 4
+    started = time.monotonic()
+    model_args = ModelArgs(**regime.model)
+    counts = count_parameters(model_args.hf_config())
+    sizes = model_bytes(model_args)
+    budget = rg.memory_budget(counts, regime)
+    shapes = rg.t_over_t_star(regime)
+    steps = args.steps or 3
+    step = StepArgs(batch_per_rank=regime.batch_per_rank, seq_len=regime.seq_len, warmup=args.warmup or 1, steps=steps,
+                    grad_accum=regime.grad_accum, mem_budget_bytes=budget["budget_bytes"])
+    specs = {s.name: s for s in default_runs(world)}
+    memory_gbps = memory_rate_gbps()
+    report: dict[str, Any] = {
+        "regime": {"name": regime.name, "reference": regime.reference, "targets": {
+            "T_over_T_star": regime.target_t_over_t_star, "r_x": regime.target_r_x, "mfu_assumed": 0.4},
+            "shapes": shapes, "memory_budget": budget, "memory_gbps": memory_gbps},
+        "runs": [], "machine": machine_info(), "model": dataclasses.asdict(model_args) | sizes,
+        "step": dataclasses.asdict(step), "fabrics": {},
+        "optimizer": {"class": "torch.optim.AdamW", "lr": step.lr, **OPTIMIZER, "note": "the same settings for every arm"}}
+    print(f"regime {regime.name}: T = {shapes['T']}, T* = {shapes['T_star']:.1f}, T/T* = {shapes['T_over_T_star']:.2f} "
+          f"(target {regime.target_t_over_t_star}); memory budget {budget['budget_bytes'] / rg.MIB:.0f} MiB per rank "
+          f"(1.5 × planner {budget['planner_hybrid_bytes'] / rg.MIB:.1f} MiB + 128 MiB)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    stale = remove_stale_namespaces()
+    if stale:
+        print(f"removed stale namespaces of earlier killed runs: {stale}")
+    workdir = tempfile.mkdtemp(prefix=PREFIX)
+    try:
+        ckpt = str(Path(workdir) / "ckpt")
+        save_checkpoint(model_args, ckpt)
+        with FlatFabric(world) as flat:
+            report["fabrics"]["flat"] = flat.info
+            cal_run = run_layout(specs[rg.CALIBRATION_RUN], flat, ckpt, dataclasses.replace(step, ranks_per_node=world),
+                                 world, workdir)
+        report["runs"].append(cal_run)
+        if not cal_run["feasible"]:
+            raise SystemExit(f"calibration run {rg.CALIBRATION_RUN} failed: {cal_run.get('error')}")
+        calibration = rg.calibrate(cal_run, counts, regime)
+        pure_ep = rg.predict({"engine": "hybrid", "dp": 1, "ep": world, "config": {}}, counts, regime, calibration,
+                             {"kind": "two-node", "ranks_per_node": world // 2, "measured_gbit": 1.0}, memory_gbps)
+        cross = pure_ep.a2a_bytes["inter_node"]
+        gbit = rg.link_gbit_for(regime.target_r_x, cross, world // 2, calibration["compute_s"])
+        report["regime"]["calibration"] = calibration
+        report["regime"]["link_gbit_chosen"] = gbit
+        print(f"[{time.monotonic() - started:6.0f}s] calibration ({rg.CALIBRATION_RUN}, flat): compute "
+              f"{calibration['compute_s']:.2f} s/step, {calibration['flops_per_s'] / 1e9:.1f} GFLOP/s per rank, loopback "
+              f"{calibration['intra_gbps']:.2f} GB/s; link for r_x = {regime.target_r_x}: {gbit:.3f} Gbit/s", flush=True)
+        with TwoNodeFabric(world, gbit, args.inter_node_latency_ms) as fabric:
+            report["fabrics"]["two-node"] = fabric.info
+            print(f"[{time.monotonic() - started:6.0f}s] fabric two-node: {fabric.info}", flush=True)
+            for name in regime.runs:
+                rec = run_layout(specs[name], fabric, ckpt, dataclasses.replace(step, ranks_per_node=world // 2), world,
+                                 workdir)
+                report["runs"].append(rec)
+                sps = f"{rec['samples_per_s']:.2f} samples/s" if rec["feasible"] else f"{rec['status']}: {rec.get('error', '')[:200]}"
+                print(f"[{time.monotonic() - started:6.0f}s] two-node {name:26s} {sps}", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["elapsed_s"] = time.monotonic() - started
+    _regime_results(report, regime, counts, calibration, memory_gbps)
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, args.json)
+    with contextlib.suppress(Exception):
+        chart([r for r in report["runs"] if r["fabric"] == "two-node"], args.chart,
+              f"regime {regime.name}: Qwen3-MoE {model_args.num_experts} experts top-{model_args.num_experts_per_tok}, "
+              f"expert width {model_args.moe_intermediate_size}; T/T* {shapes['T_over_T_star']:.1f}; "
+              f"two-node link {gbit:.2f} Gbit/s")
+    print(table(report["runs"]))
+    print(json.dumps({k: report["regime"][k] for k in ("achieved", "goals", "validation")}, indent=1))
+    print(f"elapsed {report['elapsed_s']:.0f} s")
+
+
+def _regime_results(report: dict, regime, counts, calibration: dict, memory_gbps: float) -> None:
+    """Achieved ratios, goals, and the step-time model's predictions checked against the measured runs."""
+    import regimes as rg
+
+    runs = report["runs"]
+    for r in runs:
+        r["key"] = f"{r['fabric']}/{r['name']}"
+    two = report["fabrics"]["two-node"]
+    ep_run = next((r for r in runs if r["fabric"] == "two-node" and r["name"] == "ep4" and r["feasible"]), None)
+    achieved: dict[str, Any] = {"T_over_T_star": report["regime"]["shapes"]["T_over_T_star"]}
+    if ep_run is not None:
+        link_s = ep_run["a2a_inter_node_bytes_per_step"] * two["ranks_per_node"] * 8 / (two["measured_gbit"] * 1e9)
+        achieved["r_x"] = link_s / calibration["compute_s"]
+        achieved["r_x_link_s"] = link_s
+    for key, target in (("T_over_T_star", regime.target_t_over_t_star), ("r_x", regime.target_r_x)):
+        if key in achieved:
+            achieved[f"{key}_within_25pct"] = abs(achieved[key] / target - 1) <= 0.25
+    predictions = {}
+    for r in runs:
+        fabric = report["fabrics"][r["fabric"]]
+        st = rg.predict(r, counts, regime, calibration, fabric, memory_gbps)
+        if st is not None:
+            predictions[r["key"]] = rg.prediction_record(st, calibration_run=r["fabric"] == "flat")
+            r["predicted"] = predictions[r["key"]]
+    two_node = [r for r in runs if r["fabric"] == "two-node"]
+    g = goals(two_node).get("two-node", {})
+    out_goals = {k: v for k, v in g.items() if k.startswith(("hybrid_best", "ours_best", "native_best"))}
+    if "hybrid_best_vs_pure_ep" in g:
+        want = 1.3 if regime.name == "fine-grained" else 1.0 if regime.name == "coarse" else None
+        if want:
+            out_goals[f"goal_hybrid_ge_{want}x_pure_ep"] = g["hybrid_best_vs_pure_ep"] >= want
+    if "ours_best_vs_native_best" in g:
+        out_goals["goal_ours_ge_1.5x_native"] = g["ours_best_vs_native_best"] >= 1.5
+    hybrid_p = predictions.get("two-node/hybrid-dp2-ep2")
+    pure_p = predictions.get("two-node/ep4")
+    if hybrid_p and pure_p:
+        out_goals["predicted_hybrid_vs_pure_ep"] = hybrid_p["samples_per_s"] / pure_p["samples_per_s"]
+    report["regime"] |= {"achieved": achieved, "goals": out_goals, "validation": rg.validate(runs, predictions)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1070,6 +1208,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="bench_training.json")
     parser.add_argument("--chart", default="bench_training.png")
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--regime", choices=sorted(REGIMES), default=None,
+                        help="a named regime (benchmarks/regimes.py): sets the model shape, the workload, the memory "
+                             "budget and the link rate; runs the calibration run on the flat fabric, then the table "
+                             "on the two-node fabric, and checks the step-time model against it")
     parser.add_argument("--fabrics", default="flat,two-node")
     parser.add_argument("--runs", default="", help="comma-separated run names (default: all)")
     parser.add_argument("--hybrid-config", default="{}",
@@ -1092,6 +1234,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
+        return
+    if args.regime:
+        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+            parser.error("--regime needs root with `ip` and `tc` (the two-node fabric)")
+        run_regime(REGIMES[args.regime], args)
         return
     needs_root = "two-node" in args.fabrics.split(",") or not args.no_netns
     if needs_root and (os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc")):

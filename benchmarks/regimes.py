@@ -1,0 +1,180 @@
+"""Named benchmark regimes for ``bench_training.py --regime``, and the step-time model checked against them.
+
+Two dimensionless ratios decide whether hybrid EP (dp 2 × ep 2 on two nodes of two ranks) beats pure EP
+(ep 4 across both nodes); hidden size and layer count cancel out of both:
+
+* ``T / T*``: tokens per rank per optimizer step over the crossover ``T*`` at which the hybrid's
+  cross-node expert-gradient all-reduce sends as many bytes as pure EP's cross-node token exchange,
+  ``T* = (E/ep_h) · 3I · b_g · 2(d−1)/d ÷ (4 · k · b_a · f_x)`` (here ep_h = d = 2, f_x = 1/2,
+  b_g = b_a = 4 in fp32, so ``T* = 3·E·I / (4·k)``);
+* ``r_x``: pure EP's cross-node exchange time over its compute time.
+
+Each regime scales a tiny Qwen3-MoE so that ``T / T*`` matches a reference run (the shapes give it
+exactly), and the emulated link's rate is chosen from a calibration run on the flat fabric so that
+``r_x`` matches too (``link_gbit_for``). Reference values come from :mod:`hf_hybrid_ep.step_time` at 40%
+MFU on H100s (``tests/test_step_time.py`` checks them by hand): Qwen3-30B-A3B on 2 × 8 GPUs, dp2×ep8 vs
+ep16, 2²² tokens per step: ``T/T* = 113.8``, ``r_x = 0.89``; Mixtral-8x7B on 2 × 4 GPUs, dp2×ep4 vs ep8:
+``T/T* = 24.4``, ``r_x = 0.100``. The toy regime is this repository's earlier benchmark as it was.
+
+The step-time model is calibrated on one designated run per regime — pure EP on the flat fabric (no
+shaped link): its compute rate (model FLOPs per second per rank, measured as FLOPs / (step time −
+exposed communication)) and its loopback rate (token-exchange bytes / time blocked in the exchange)
+become the model's device rate (efficiency 1) and intra-node bandwidth; the inter-node bandwidth is the
+fabric's measured bulk TCP rate. Every other run is a validation run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MIB = 2**20
+RUNTIME_ALLOWANCE_BYTES = 128 * MIB  # gloo buffers, allocator slack, autograd temporaries the formula omits
+STATE_SLACK = 1.5  # peak data above setup / planner state, measured 1.47 (hybrid) – 1.74 (ep4) in the toy runs
+PREDICTION_TOLERANCE = 0.25  # |predicted − measured| / measured samples/s
+ORDER_MARGIN = 0.15  # pairs of layouts further apart than this must be predicted in the measured order
+CALIBRATION_RUN = "ep4"  # on the flat fabric
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Model shape, workload and targets of one regime (world 4, two nodes of two ranks)."""
+
+    name: str
+    reference: str
+    model: dict[str, int]  # ModelArgs fields
+    batch_per_rank: int
+    seq_len: int
+    grad_accum: int
+    target_t_over_t_star: float
+    target_r_x: float
+    runs: tuple[str, ...] = ("dp4", "ddp4", "hybrid-dp2-ep2", "ep4", "hybrid-dp2-ep2-zero1",
+                             "hybrid-dp2-ep2-fsdp-zero1", "hf-native-fsdp4-ep4", "hf-native-hsdp2x2-ep2")
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.batch_per_rank * self.seq_len * self.grad_accum
+
+
+REGIMES = {
+    "fine-grained": Regime(
+        name="fine-grained",
+        reference="Qwen3-30B-A3B (128 experts, top-8) on 2 nodes × 8 H100, 400 Gbit/s per GPU, 2²² tokens per step; "
+                  "hybrid dp2×ep8 vs pure EP ep16",
+        model={"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 4, "num_experts": 32,
+               "moe_intermediate_size": 16, "num_experts_per_tok": 8, "num_attention_heads": 4, "num_key_value_heads": 2},
+        batch_per_rank=2, seq_len=256, grad_accum=11, target_t_over_t_star=113.8, target_r_x=0.89,
+    ),
+    "coarse": Regime(
+        name="coarse",
+        reference="Mixtral-8x7B (8 experts, top-2) on 2 nodes × 4 GPUs, 400 Gbit/s per GPU, 2²² tokens per step; "
+                  "hybrid dp2×ep4 vs pure EP ep8",
+        model={"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 4, "num_experts": 8,
+               "moe_intermediate_size": 64, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+        batch_per_rank=2, seq_len=256, grad_accum=9, target_t_over_t_star=24.4, target_r_x=0.100,
+    ),
+    "toy": Regime(
+        name="toy",
+        reference="this repository's benchmark before the regimes (its defaults; no real cluster runs here)",
+        model={"vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 4, "num_experts": 16,
+               "moe_intermediate_size": 512, "num_experts_per_tok": 2, "num_attention_heads": 8, "num_key_value_heads": 4},
+        batch_per_rank=2, seq_len=256, grad_accum=1, target_t_over_t_star=0.17, target_r_x=0.14,
+    ),
+}
+
+
+def t_over_t_star(regime: Regime) -> dict[str, float]:
+    """``T``, ``T*`` and their ratio from the shapes (world 4: hybrid dp2×ep2 vs pure EP ep4, two nodes)."""
+    m = regime.model
+    e, i, k = m["num_experts"], m["moe_intermediate_size"], m["num_experts_per_tok"]
+    ep_h, d, f_x, b_g, b_a = 2, 2, 0.5, 4, 4
+    t_star = (e / ep_h) * 3 * i * b_g * 2 * (d - 1) / d / (4 * k * b_a * f_x)
+    return {"T": regime.tokens_per_rank, "T_star": t_star, "T_over_T_star": regime.tokens_per_rank / t_star}
+
+
+def memory_budget(counts, regime: Regime) -> dict[str, int]:
+    """The per-rank memory budget, fixed before any run: ``1.5 ×`` the planner's per-rank memory of the hybrid
+    dp2×ep2 layout (fp32 AdamW state + fp32 activations of one micro-batch) ``+ 128 MiB`` for the runtime."""
+    from hf_hybrid_ep.planner import _activations, rank_state_bytes
+
+    state = rank_state_bytes(counts, 2, 2, 0, "fp32-adamw")
+    state_bytes = state["weight_bytes"] + state["grad_bytes"] + state["optimizer_bytes"]
+    activations = 2 * _activations(counts, regime.batch_per_rank, regime.seq_len)[0]  # the formula is in bf16 bytes
+    planned = state_bytes + activations
+    return {"planner_hybrid_bytes": planned, "budget_bytes": int(STATE_SLACK * planned + RUNTIME_ALLOWANCE_BYTES)}
+
+
+def link_gbit_for(target_r_x: float, cross_bytes_per_rank: float, ranks_per_node: int, compute_s: float) -> float:
+    """The link rate (Gbit/s per direction, shared by a node's ranks) at which pure EP's cross-node exchange
+    takes ``target_r_x × compute_s``."""
+    return cross_bytes_per_rank * ranks_per_node * 8 / (target_r_x * compute_s) / 1e9
+
+
+def flops_per_token(counts, seq_len: int) -> float:
+    """The step-time model's forward + backward FLOPs per token (``hf_hybrid_ep.step_time``)."""
+    from hf_hybrid_ep.step_time import predict_step_time
+
+    st = predict_step_time(counts, 1, 1, "gpus_per_node=1", tokens_per_step=seq_len, micro_batch=1, seq_len=seq_len,
+                           recipe="fp32-adamw")
+    return st.flops_per_token
+
+
+def calibrate(run: dict, counts, regime: Regime) -> dict[str, float]:
+    """Device rate and loopback rate from the designated calibration run (pure EP, flat fabric)."""
+    per_token = flops_per_token(counts, regime.seq_len)
+    compute_s = run["step_s"] - run["exposed_comm_s_per_step"]
+    a2a_blocked = run["exposed_comm_by_op_s_per_step"].get("all_to_all", 0.0)
+    return {"run": run["name"], "fabric": run["fabric"], "compute_s": compute_s,
+            "flops_per_s": per_token * regime.tokens_per_rank / compute_s,
+            "intra_gbps": run["a2a_bytes_per_step"] / a2a_blocked / 1e9 if a2a_blocked else 10.0}
+
+
+def predict(run: dict, counts, regime: Regime, calibration: dict, fabric: dict, memory_gbps: float):
+    """The step-time model's prediction for one run of this library or DDP (transformers' native EP: ``None``)."""
+    from hf_hybrid_ep.step_time import predict_step_time
+
+    if run["engine"] == "hf-native":
+        return None
+    cfg = run.get("config", {})
+    dp, ep = run["dp"], 1 if run["engine"] == "ddp" else run["ep"]
+    ranks_per_node = fabric["ranks_per_node"]
+    inter = fabric.get("measured_gbit", 1.0) / 8 if fabric["kind"] == "two-node" else calibration["intra_gbps"]
+    topo = f"gpus_per_node={ranks_per_node},nvlink_gbps={calibration['intra_gbps']:.6g},network_gbps={inter:.6g}"
+    return predict_step_time(counts, dp, ep, topo, tokens_per_step=4 * regime.tokens_per_rank,
+                             micro_batch=regime.batch_per_rank, seq_len=regime.seq_len,
+                             device_flops=calibration["flops_per_s"], efficiency=1.0, memory_gbps=memory_gbps,
+                             optimizer_sharding=cfg.get("optimizer_sharding", "none"),
+                             dense_sharding=cfg.get("dense_sharding", "replicate"), recipe="fp32-adamw")
+
+
+def validate(runs: list[dict], predictions: dict[str, Any]) -> dict[str, Any]:
+    """Prediction error per validation run and the order of every pair of layouts more than 15% apart."""
+    rows, checked = [], [r for r in runs if r["feasible"] and predictions.get(r["key"]) is not None
+                         and not predictions[r["key"]]["calibration"]]
+    for r in checked:
+        p = predictions[r["key"]]
+        err = (p["samples_per_s"] - r["samples_per_s"]) / r["samples_per_s"]
+        rows.append({"run": r["key"], "measured": r["samples_per_s"], "predicted": p["samples_per_s"], "error": err,
+                     "within_tolerance": abs(err) <= PREDICTION_TOLERANCE})
+    pairs = []
+    for a, b in itertools.combinations(checked, 2):
+        ma, mb = a["samples_per_s"], b["samples_per_s"]
+        if max(ma, mb) / min(ma, mb) <= 1 + ORDER_MARGIN:
+            continue
+        pa, pb = predictions[a["key"]]["samples_per_s"], predictions[b["key"]]["samples_per_s"]
+        pairs.append({"pair": [a["key"], b["key"]], "measured_ratio": ma / mb, "predicted_ratio": pa / pb,
+                      "order_ok": (ma > mb) == (pa > pb)})
+    return {"rows": rows, "pairs": pairs, "max_abs_error": max((abs(r["error"]) for r in rows), default=math.nan),
+            "all_within_tolerance": all(r["within_tolerance"] for r in rows),
+            "all_orders_ok": all(p["order_ok"] for p in pairs)}
+
+
+def prediction_record(st, calibration_run: bool) -> dict[str, Any]:
+    keys = ("step_s", "samples_per_s", "compute_s", "a2a_s", "a2a_exposed_s", "grad_reduce_s", "grad_reduce_exposed_s",
+            "zero1_gather_s", "fsdp_gather_s", "optimizer_s", "exposed_comm_s")
+    out = {k: v for k, v in asdict(st).items() if k in keys}
+    out["calibration"] = calibration_run
+    return out

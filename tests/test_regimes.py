@@ -1,0 +1,56 @@
+"""The benchmark regimes (`benchmarks/regimes.py`): their shapes hit the reference runs' T/T*, the bench's
+T* agrees with the step-time model's, and the committed regime results validate the step-time model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import regimes as rg  # noqa: E402
+
+from hf_hybrid_ep.planner import count_parameters  # noqa: E402
+from hf_hybrid_ep.step_time import compare  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _counts(regime):
+    from transformers import Qwen3MoeConfig
+
+    m = regime.model
+    return count_parameters(Qwen3MoeConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=4 * m["hidden_size"],
+        moe_intermediate_size=m["moe_intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
+        num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
+        head_dim=m["hidden_size"] // m["num_attention_heads"], num_experts=m["num_experts"],
+        num_experts_per_tok=m["num_experts_per_tok"], tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("name", sorted(rg.REGIMES))
+def test_shapes_hit_the_target_t_over_t_star(name):
+    regime = rg.REGIMES[name]
+    shapes = rg.t_over_t_star(regime)
+    assert abs(shapes["T_over_T_star"] / regime.target_t_over_t_star - 1) <= 0.25, shapes
+    # the bench's closed form is the step-time model's crossover for the same two layouts on two nodes of two ranks
+    counts = _counts(regime)
+    cal = {"flops_per_s": 1e10, "intra_gbps": 5.0}
+    fabric = {"kind": "two-node", "ranks_per_node": 2, "measured_gbit": 1.0}
+    hybrid, pure = (rg.predict({"engine": "hybrid", "dp": dp, "ep": ep}, counts, regime, cal, fabric, 10.0)
+                    for dp, ep in ((2, 2), (1, 4)))
+    assert compare(hybrid, pure)["T_star"] == pytest.approx(shapes["T_star"], rel=1e-12)
+
+
+def test_link_rate_for_a_target_r_x():
+    # 100 MB per rank per step crossing, 2 ranks per node, 4 s of compute, r_x 0.5 → 200 MB in 2 s: 0.8 Gbit/s
+    assert rg.link_gbit_for(0.5, 100e6, 2, 4.0) == pytest.approx(0.8)
+
+
+def test_memory_budget_rule():
+    regime = rg.REGIMES["toy"]
+    budget = rg.memory_budget(_counts(regime), regime)
+    assert budget["budget_bytes"] == int(1.5 * budget["planner_hybrid_bytes"] + 128 * 2**20)
