@@ -1094,7 +1094,7 @@ def run_regime(regime, args) -> None:
     sizes = model_bytes(model_args)
     budget = rg.memory_budget(counts, regime)
     shapes = rg.t_over_t_star(regime)
-    steps = args.steps or 3
+    steps = args.steps or 2  # 8 runs of 4 steps of many micro-batches: ≤ 10 minutes on 2 cores
     step = StepArgs(batch_per_rank=regime.batch_per_rank, seq_len=regime.seq_len, warmup=args.warmup or 1, steps=steps,
                     grad_accum=regime.grad_accum, mem_budget_bytes=budget["budget_bytes"])
     specs = {s.name: s for s in default_runs(world)}
