@@ -17,10 +17,12 @@ ep16, 2²² tokens per step: ``T/T* = 113.8``, ``r_x = 0.89``; Mixtral-8x7B on 2
 ``T/T* = 24.4``, ``r_x = 0.100``. The toy regime is this repository's earlier benchmark as it was.
 
 The step-time model is calibrated on one designated run per regime — pure EP on the flat fabric (no
-shaped link): its compute rate (model FLOPs per second per rank, measured as FLOPs / (step time −
-exposed communication)) and its loopback rate (token-exchange bytes / time blocked in the exchange)
-become the model's device rate (efficiency 1) and intra-node bandwidth; the inter-node bandwidth is the
-fabric's measured bulk TCP rate. Every other run is a validation run.
+shaped link). From it come the device rate (model FLOPs per second per rank = FLOPs / (step time −
+exposed communication), efficiency 1), the fixed cost of one exchange collective (time blocked in the
+counts exchange, which carries almost no bytes, per call) and the loopback rate (token-exchange bytes /
+the rest of the time blocked in token exchanges). The inter-node bandwidth per rank is the fabric's
+measured bulk TCP rate divided by the ranks of a node, which share the link. Every other run is a
+validation run.
 """
 
 from __future__ import annotations
@@ -122,14 +124,31 @@ def flops_per_token(counts, seq_len: int) -> float:
     return st.flops_per_token
 
 
+def qwen3_moe_config(model: dict[str, int]):
+    """The benchmark's Qwen3-MoE config (every layer MoE) from its shape fields."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=model["vocab_size"], hidden_size=model["hidden_size"], intermediate_size=4 * model["hidden_size"],
+        moe_intermediate_size=model["moe_intermediate_size"], num_hidden_layers=model["num_hidden_layers"],
+        num_attention_heads=model["num_attention_heads"], num_key_value_heads=model["num_key_value_heads"],
+        head_dim=model["hidden_size"] // model["num_attention_heads"], num_experts=model["num_experts"],
+        num_experts_per_tok=model["num_experts_per_tok"], norm_topk_prob=True, attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
+
+
 def calibrate(run: dict, counts, regime: Regime) -> dict[str, float]:
-    """Device rate and loopback rate from the designated calibration run (pure EP, flat fabric)."""
+    """Device rate, per-exchange overhead and loopback rate from the calibration run (pure EP, flat fabric)."""
     per_token = flops_per_token(counts, regime.seq_len)
     compute_s = run["step_s"] - run["exposed_comm_s_per_step"]
-    a2a_blocked = run["exposed_comm_by_op_s_per_step"].get("all_to_all", 0.0)
+    blocked = run["exposed_comm_by_op_s_per_step"]
+    calls = counts.moe_layers * regime.grad_accum  # per step: one counts exchange per layer and micro-batch
+    overhead = blocked.get("all_to_all_counts", 0.0) / calls
+    data_s = blocked.get("all_to_all", 0.0) - 4 * calls * overhead
     return {"run": run["name"], "fabric": run["fabric"], "compute_s": compute_s,
-            "flops_per_s": per_token * regime.tokens_per_rank / compute_s,
-            "intra_gbps": run["a2a_bytes_per_step"] / a2a_blocked / 1e9 if a2a_blocked else 10.0}
+            "flops_per_s": per_token * regime.tokens_per_rank / compute_s, "exchange_overhead_s": overhead,
+            "intra_gbps": run["a2a_bytes_per_step"] / data_s / 1e9 if data_s > 0 else 100.0}
 
 
 def predict(run: dict, counts, regime: Regime, calibration: dict, fabric: dict, memory_gbps: float):
@@ -141,13 +160,15 @@ def predict(run: dict, counts, regime: Regime, calibration: dict, fabric: dict, 
     cfg = run.get("config", {})
     dp, ep = run["dp"], 1 if run["engine"] == "ddp" else run["ep"]
     ranks_per_node = fabric["ranks_per_node"]
-    inter = fabric.get("measured_gbit", 1.0) / 8 if fabric["kind"] == "two-node" else calibration["intra_gbps"]
+    inter = (fabric.get("measured_gbit", 1.0) / 8 / ranks_per_node if fabric["kind"] == "two-node"
+             else calibration["intra_gbps"])
     topo = f"gpus_per_node={ranks_per_node},nvlink_gbps={calibration['intra_gbps']:.6g},network_gbps={inter:.6g}"
     return predict_step_time(counts, dp, ep, topo, tokens_per_step=4 * regime.tokens_per_rank,
                              micro_batch=regime.batch_per_rank, seq_len=regime.seq_len,
                              device_flops=calibration["flops_per_s"], efficiency=1.0, memory_gbps=memory_gbps,
                              optimizer_sharding=cfg.get("optimizer_sharding", "none"),
-                             dense_sharding=cfg.get("dense_sharding", "replicate"), recipe="fp32-adamw")
+                             dense_sharding=cfg.get("dense_sharding", "replicate"), recipe="fp32-adamw",
+                             exchange_overhead_s=calibration["exchange_overhead_s"])
 
 
 def validate(runs: list[dict], predictions: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +191,39 @@ def validate(runs: list[dict], predictions: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "pairs": pairs, "max_abs_error": max((abs(r["error"]) for r in rows), default=math.nan),
             "all_within_tolerance": all(r["within_tolerance"] for r in rows),
             "all_orders_ok": all(p["order_ok"] for p in pairs)}
+
+
+def evaluate(report: dict[str, Any]) -> dict[str, Any]:
+    """Calibration, achieved ratios, a prediction per run and the validation, from a regime report alone
+    (so a committed JSON can be checked again by the current model)."""
+    from hf_hybrid_ep.planner import count_parameters
+
+    regime = REGIMES[report["regime"]["name"]]
+    counts = count_parameters(qwen3_moe_config(regime.model))
+    runs = report["runs"]
+    for r in runs:
+        r["key"] = f"{r['fabric']}/{r['name']}"
+    cal_run = next(r for r in runs if r["fabric"] == "flat" and r["name"] == CALIBRATION_RUN)
+    calibration = calibrate(cal_run, counts, regime)
+    two = report["fabrics"]["two-node"]
+    achieved: dict[str, Any] = {"T_over_T_star": t_over_t_star(regime)["T_over_T_star"]}
+    ep_run = next((r for r in runs if r["key"] == "two-node/ep4" and r["feasible"]), None)
+    if ep_run is not None:
+        link_s = ep_run["a2a_inter_node_bytes_per_step"] * two["ranks_per_node"] * 8 / (two["measured_gbit"] * 1e9)
+        achieved |= {"r_x": link_s / calibration["compute_s"], "r_x_link_s": link_s}
+    for key, target in (("T_over_T_star", regime.target_t_over_t_star), ("r_x", regime.target_r_x)):
+        if key in achieved:
+            achieved[f"{key}_vs_target"] = achieved[key] / target
+            achieved[f"{key}_within_25pct"] = abs(achieved[key] / target - 1) <= 0.25
+    predictions = {}
+    for r in runs:
+        st = predict(r, counts, regime, calibration, report["fabrics"][r["fabric"]], report["regime"]["memory_gbps"])
+        if st is not None:
+            predictions[r["key"]] = prediction_record(st, calibration_run=r is cal_run)
+    hybrid, pure = predictions.get("two-node/hybrid-dp2-ep2"), predictions.get("two-node/ep4")
+    return {"calibration": calibration, "achieved": achieved, "predictions": predictions,
+            "predicted_hybrid_vs_pure_ep": hybrid["samples_per_s"] / pure["samples_per_s"] if hybrid and pure else None,
+            "validation": validate(runs, predictions)}
 
 
 def prediction_record(st, calibration_run: bool) -> dict[str, Any]:

@@ -27,7 +27,10 @@ Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planner`: ``in
   exchanges with peers on different links run concurrently, and the inter-node and cross-rack parts
   share the GPU's NIC, so an all-to-all takes ``max(intra-node s, inter-node s + cross-rack s)``.
   Exposed in full (``a2a_hidden_fraction = 0``): the engine's ``overlap_degree`` pipelining hides
-  part of it behind expert compute, not modelled unless that fraction is set;
+  part of it behind expert compute, not modelled unless that fraction is set. Each exchange collective
+  (the counts exchange of every dispatch and the 4 or 6 token exchanges, per MoE layer and micro-batch)
+  also costs ``exchange_overhead_s`` (latency and the wait for the slowest peer; default 0, which suits
+  large GPU exchanges; measured on a CPU world it is milliseconds);
 * gradient reduction, once per step (gradient accumulation reduces on the last micro-batch only):
   dense gradients (``P_dense · b_g``) over the world, expert gradients (``P_experts/ep · b_g``) over
   the EDP group of dp ranks, hierarchical ring all-reduces (a reduce-scatter — half the bytes — with
@@ -154,7 +157,8 @@ def _positive(name: str, value: float) -> None:
 
 
 def check_step_inputs(world: int, tokens_per_step: int, micro_batch: int, seq_len: int, device_flops: float,
-                      efficiency: float, memory_gbps: float, a2a_hidden_fraction: float = 0.0) -> None:
+                      efficiency: float, memory_gbps: float, a2a_hidden_fraction: float = 0.0,
+                      exchange_overhead_s: float = 0.0) -> None:
     """Raise :class:`HybridEPConfigError` naming the first bad value of a step-time workload."""
     for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("world", world)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -171,6 +175,9 @@ def check_step_inputs(world: int, tokens_per_step: int, micro_batch: int, seq_le
     if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
         raise HybridEPConfigError(f"efficiency must be in (0, 1] (achieved / peak FLOP/s), got {efficiency!r}")
     _positive("memory bandwidth (GB/s)", memory_gbps)
+    if isinstance(exchange_overhead_s, bool) or not isinstance(exchange_overhead_s, (int, float)) \
+            or not 0 <= exchange_overhead_s < math.inf:
+        raise HybridEPConfigError(f"exchange_overhead_s must be a finite number ≥ 0, got {exchange_overhead_s!r}")
     if not 0 <= a2a_hidden_fraction <= 1:
         raise HybridEPConfigError(f"a2a_hidden_fraction must be in [0, 1], got {a2a_hidden_fraction!r}")
 
@@ -180,7 +187,8 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
                       activation_checkpointing: bool = False, device_flops: float = H100_BF16_FLOPS,
                       efficiency: float = DEFAULT_EFFICIENCY, memory_gbps: float = H100_MEMORY_GBPS,
                       optimizer_sharding: str = "none", dense_sharding: str = "replicate",
-                      recipe: str = "bf16-adamw", a2a_hidden_fraction: float = 0.0) -> StepTime:
+                      recipe: str = "bf16-adamw", a2a_hidden_fraction: float = 0.0,
+                      exchange_overhead_s: float = 0.0) -> StepTime:
     """Predicted step time of layout ``dp × ep`` (formulas in the module docstring).
 
     Args:
@@ -195,11 +203,12 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         memory_gbps: device memory bandwidth in GB/s, for the optimizer term.
         optimizer_sharding, dense_sharding, recipe: as in :func:`hf_hybrid_ep.planner.plan`.
         a2a_hidden_fraction: share of the token exchange hidden behind expert compute (0: none).
+        exchange_overhead_s: fixed seconds per exchange collective (latency, waiting for peers).
     """
     topo = Topology.of(topology)
     world = dp * ep
     check_step_inputs(world, tokens_per_step, micro_batch, seq_len, device_flops, efficiency, memory_gbps,
-                      a2a_hidden_fraction)
+                      a2a_hidden_fraction, exchange_overhead_s)
     if recipe not in RECIPES:
         raise HybridEPConfigError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
     if optimizer_sharding not in OPTIMIZER_SHARDINGS:
@@ -239,6 +248,8 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
                "cross_rack": routed * (ep - in_rack) / ep}
     a2a_by_level = _seconds(a2a, topo)
     a2a_s = max(a2a_by_level["intra_node"], a2a_by_level["inter_node"] + a2a_by_level["cross_rack"])
+    if ep > 1:
+        a2a_s += (exchanges + 1) * counts.moe_layers * micro_batches * exchange_overhead_s
     a2a_hidden = a2a_s * a2a_hidden_fraction
 
     # gradient reduction (all-reduce, or reduce-scatter: half the bytes)
