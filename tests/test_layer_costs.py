@@ -25,6 +25,16 @@ def test_one_counts_exchange_and_one_host_read_per_layer(pools, dispatcher, over
         assert r["backward"]["syncs"] == {}, r
 
 
+@pytest.mark.parametrize("dispatcher", ["torch", "triton"])
+def test_pure_dp_layer_makes_no_collective(pools, dispatcher):
+    # ep = 1: every rank holds every expert, the exchanges are local copies (they used to be gloo calls on a
+    # one-rank group: 0.35–0.84 s per step of pure DP in the regime benchmarks)
+    for r in pools(4).run(sync_counting.layer_costs, dispatcher, 4):
+        assert r["grads"]
+        assert r["forward"]["collectives"] == {} and r["backward"]["collectives"] == {}, r
+        assert r["forward"]["syncs"] == {"Tensor.tolist": 1}, r
+
+
 def test_shadow_refresh_moves_nothing_when_no_rank_chose_a_shadow(pools):
     # routing_step: the loads' world all-reduce, the shadow-mask all-gather, and per layer and expert
     # parameter one weight exchange only where some rank of the EP group holds a shadow

@@ -172,7 +172,8 @@ class TorchDispatcher:
     ) -> None:
         self.table = table
         self.ep_rank = ep_rank
-        self.ep_group = ep_group
+        # an EP group of one rank (pure DP) exchanges nothing: every exchange is a local copy, no collective
+        self.ep_group = ep_group if ep_group is not None and dist.get_world_size(ep_group) > 1 else None
         self.stats = stats
         self.alignment = 1
         self.width = max(control_width or 0, table.slots_per_rank + CONTROL_INTS)
