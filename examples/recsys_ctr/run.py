@@ -34,12 +34,16 @@ KINDS = ("moe", "dense_active", "dense_total")
 SIZES = {  # training examples, held-out examples, epochs
     "full": (2_000_000, 200_000, 2), "quick": (200_000, 20_000, 6), "smoke": (16_000, 4_000, 1),
 }
+# Adam learning rate per model, chosen by `--lr-sweep 1e-2,3e-3,1e-3` on a validation set drawn apart from
+# the held-out test set (seed 0, the quick size; docs/moe_layer.md has the sweep): the widest dense model
+# diverges at 1e-2.
+LR = {"moe": 1e-2, "dense_active": 1e-2, "dense_total": 1e-2}
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)  # two-sided 95%, df 1..10
 
 
 def paired(a: list[float], b: list[float]) -> dict[str, float]:
     """Mean of the per-seed differences a − b with a 95% t-interval (df = seeds − 1; normal beyond 10)."""
-    d = [x - y for x, y in zip(a, b)]
+    d = [x - y for x, y in zip(a, b, strict=True)]
     mean = statistics.mean(d)
     if len(d) < 2:
         return {"mean": mean, "ci_low": math.nan, "ci_high": math.nan}
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="single-process trainings at a time")
     parser.add_argument("--moe-layout", default="1x1", help="DPxEP for the MoE model (1x1: one process)")
     parser.add_argument("--no-deployment", action="store_true", help="skip the 8-process deployment run")
+    parser.add_argument("--lr-sweep", default=None, metavar="LR,LR,...",
+                        help="instead of the comparison: seed 0 of every model at each learning rate, scored on a "
+                             "validation set (not the test set)")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     dp, ep = (int(x) for x in args.moe_layout.lower().split("x"))
@@ -76,28 +83,42 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     world = ClickWorld()
     world.sample(n_train, seed=1).save_to_disk(str(work / "data" / "train"))
-    test = world.sample(n_test, seed=2)
+    test = world.sample(n_test, seed=5 if args.lr_sweep else 2)  # seed 5: the validation set
     test.save_to_disk(str(work / "data" / "test"))
     cols = test.with_format("numpy")
     oracle = auc(cols["click"][:], cols["prob"][:])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
-    def train(kind: str, seed: int) -> dict:
-        out = work / f"{kind}-{seed}.json"
+    def train(kind: str, seed: int, lr: float | None = None) -> dict:
+        out = work / f"{kind}-{seed}-{lr}.json"
         cmd = ["train.py", "--kind", kind, "--seed", str(seed), "--data", str(work / "data"), "--out", str(out),
-               "--epochs", str(epochs)]
+               "--epochs", str(epochs), "--lr", str(lr or LR[kind])]
         if kind == "moe" and dp * ep > 1:
             cmd = [*_torchrun(dp * ep), *cmd, "--dp", str(dp), "--ep", str(ep)]
         else:
             cmd = [sys.executable, *cmd]
         subprocess.run(cmd, check=True, env=env, cwd=HERE, stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())
-        print(f"{kind:13s} seed {seed}: AUC {result['auc']:.4f} log-loss {result['logloss']:.4f}", flush=True)
+        print(f"{kind:13s} seed {seed} lr {result['lr']:g}: AUC {result['auc']:.4f} log-loss {result['logloss']:.4f}",
+              flush=True)
         return result
+
+    if args.lr_sweep:
+        rates = [float(x) for x in args.lr_sweep.split(",")]
+        jobs = [(kind, 0, lr) for kind in KINDS for lr in rates]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            swept = list(pool.map(lambda j: train(*j), jobs))
+        table = {kind: {str(r["lr"]): r["auc"] for r in swept if r["kind"] == kind} for kind in KINDS}
+        best = {kind: max(table[kind], key=table[kind].get) for kind in KINDS}
+        Path(args.json).write_text(json.dumps({"regime": regime, "split": "validation (seed 5)", "validation_auc": table,
+                                               "best_lr": best, "wall_s": time.perf_counter() - started}, indent=1))
+        for kind in KINDS:
+            print(f"{kind:13s} " + "  ".join(f"lr {lr}: {a:.4f}" for lr, a in table[kind].items()) + f"  → {best[kind]}")
+        return
 
     jobs = [(kind, seed) for seed in range(args.seeds) for kind in KINDS]
     with ThreadPoolExecutor(1 if dp * ep > 1 else args.jobs) as pool:
-        done = dict(zip(jobs, pool.map(lambda j: train(*j), jobs)))
+        done = dict(zip(jobs, pool.map(lambda j: train(*j), jobs), strict=True))
     results = {kind: [done[(kind, s)] for s in range(args.seeds)] for kind in KINDS}
     train_s = time.perf_counter() - started
 
@@ -142,7 +163,7 @@ def plot(summary: dict, path: str) -> None:
               "dense_total": "dense, same total parameters"}
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for kind in KINDS:
-        xs, ys = zip(*summary[f"curve_{kind}"])
+        xs, ys = zip(*summary[f"curve_{kind}"], strict=True)
         ax.plot(xs, ys, marker="o", markersize=3, label=labels[kind])
     ax.axhline(summary["auc_oracle"], color="grey", linestyle="--", label="oracle (true probabilities)")
     ax.set_xlabel("training samples seen")

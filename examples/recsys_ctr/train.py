@@ -24,7 +24,6 @@ from model import CTRModel, parameter_counts  # noqa: E402
 import hf_hybrid_ep as hep  # noqa: E402
 
 
-
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """Area under the ROC curve by the rank-sum (Mann-Whitney U) statistic, ties averaged."""
     order = np.argsort(scores, kind="mergesort")
