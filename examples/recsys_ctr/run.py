@@ -1,7 +1,7 @@
 """The CTR experiment end to end: the world, three models × N seeds, the reference deployment, a plot.
 
     python examples/recsys_ctr/run.py --quick --json ctr.json --plot docs/img/recsys_ctr_auc.png
-    python examples/recsys_ctr/run.py --json ctr.json          # the full run: 2M / 200k examples
+    python examples/recsys_ctr/run.py --json ctr.json          # the full run: 2M / 200k examples, 5 seeds
 
 1. Data from the fixed generator (``data.py``), the oracle AUC (the generator's own probabilities) on the
    held-out set.
@@ -31,8 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 KINDS = ("moe", "dense_active", "dense_total")
-SIZES = {  # training examples, held-out examples, epochs
-    "full": (2_000_000, 200_000, 2), "quick": (200_000, 20_000, 6), "smoke": (16_000, 4_000, 1),
+SIZES = {  # training examples, held-out examples, epochs, seeds
+    "full": (2_000_000, 200_000, 1, 5), "quick": (200_000, 20_000, 6, 3), "smoke": (16_000, 4_000, 1, 1),
 }
 # Adam learning rate per model, chosen by `--lr-sweep 1e-2,3e-3,1e-3` on a validation set drawn apart from
 # the held-out test set (seed 0, the quick size; docs/moe_layer.md has the sweep): the widest dense model
@@ -58,11 +58,12 @@ def _torchrun(n: int) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="200k / 20k examples, 6 epochs (≤ 10 minutes on 2 cores)")
+    size.add_argument("--quick", action="store_true",
+                      help="200k / 20k examples, 6 epochs, 3 seeds (≤ 10 minutes on 2 cores)")
     size.add_argument("--smoke", action="store_true", help="16k / 4k examples, 1 epoch: a test of the mechanics")
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--plot", default=None, help="AUC vs training samples (PNG)")
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=None, help="default: 5 (full), 3 (--quick), 1 (--smoke)")
     parser.add_argument("--jobs", type=int, default=2, help="single-process trainings at a time")
     parser.add_argument("--moe-layout", default="1x1", help="DPxEP for the MoE model (1x1: one process)")
     parser.add_argument("--no-deployment", action="store_true", help="skip the 8-process deployment run")
@@ -72,13 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     dp, ep = (int(x) for x in args.moe_layout.lower().split("x"))
+    regime = "quick" if args.quick else "smoke" if args.smoke else "full"
+    n_train, n_test, epochs, seeds = SIZES[regime]
+    args.seeds = args.seeds or seeds
     if args.seeds < 1 or args.jobs < 1 or dp < 1 or ep < 1:
         parser.error(f"--seeds {args.seeds}, --jobs {args.jobs}, --moe-layout {args.moe_layout}: all must be ≥ 1")
     from data import ClickWorld, generator_hash
     from train import auc
 
-    regime = "quick" if args.quick else "smoke" if args.smoke else "full"
-    n_train, n_test, epochs = SIZES[regime]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ctr-"))
     started = time.perf_counter()
     world = ClickWorld()
