@@ -232,3 +232,90 @@ def prediction_record(st, calibration_run: bool) -> dict[str, Any]:
     out = {k: v for k, v in asdict(st).items() if k in keys}
     out["calibration"] = calibration_run
     return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The regime's table (two-node runs) with predictions, for docs/benchmarks.md."""
+    reg = report["regime"]
+    mib = lambda b: "–" if b is None else f"{b / MIB:.1f}"  # noqa: E731
+    lines = [f"**{reg['name']}** — {reg['reference']}. Link {reg['link_gbit_chosen']:.3f} Gbit/s (measured "
+             f"{report['fabrics']['two-node']['measured_gbit']:.3f}); T/T* {reg['achieved']['T_over_T_star']:.2f} "
+             f"(target {reg['targets']['T_over_T_star']}), r_x {reg['achieved'].get('r_x', float('nan')):.3f} "
+             f"(target {reg['targets']['r_x']}); memory budget {reg['memory_budget']['budget_bytes'] / MIB:.0f} MiB "
+             f"per rank; {report['elapsed_s'] / 60:.1f} min.", "",
+             "| run | dp×ep | samples/s | predicted (error) | param+grad+opt MiB/rank | peak RSS MiB/rank | "
+             "cross-node MiB/step | exposed comm s/step (fraction) |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if r["fabric"] != "two-node":
+            continue
+        if not r["feasible"]:
+            lines.append(f"| {r['name']} | {r['dp']}×{r['ep']} | **{r['status']}** | – | – | "
+                         f"{mib(r.get('peak_rss_bytes_per_rank'))} | – | – |")
+            continue
+        p = r.get("predicted")
+        pred = "outside the model" if p is None else (
+            f"{p['samples_per_s']:.2f} ({100 * (p['samples_per_s'] / r['samples_per_s'] - 1):+.0f}%)")
+        state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
+        lines.append(f"| {r['name']} | {r['dp']}×{r['ep']} | {r['samples_per_s']:.2f} | {pred} | {mib(state)} | "
+                     f"{mib(r['peak_rss_bytes_per_rank'])} | {mib(r['inter_node_bytes_per_step'])} | "
+                     f"{r['exposed_comm_s_per_step']:.2f} ({r['exposed_comm_fraction']:.2f}) |")
+    return "\n".join(lines)
+
+
+def chart(reports: list[dict[str, Any]], path: str) -> None:
+    """Left: every two-node layout's samples/s over pure EP's, per regime. Right: predicted against measured
+    samples/s (each over the regime's pure EP) with the ±25% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = list(dict.fromkeys(r["name"] for rep in reports for r in rep["runs"] if r["fabric"] == "two-node"))
+    width = 0.8 / len(reports)
+    for k, rep in enumerate(reports):
+        by = {r["name"]: r for r in rep["runs"] if r["fabric"] == "two-node"}
+        base = by["ep4"]["samples_per_s"]
+        xs = [i + k * width for i in range(len(names))]
+        ys = [by[n]["samples_per_s"] / base if n in by and by[n]["feasible"] else 0 for n in names]
+        label = f"{rep['regime']['name']} (T/T* {rep['regime']['achieved']['T_over_T_star']:.2g}, " \
+                f"r_x {rep['regime']['achieved'].get('r_x', 0):.2g})"
+        left.bar(xs, ys, width, label=label)
+        for x, n in zip(xs, names, strict=True):
+            if n in by and not by[n]["feasible"]:
+                left.text(x, 0.02, "OOM", rotation=90, ha="center", va="bottom", fontsize=7)
+        pts = [(r["samples_per_s"] / base, r["predicted"]["samples_per_s"] / base)
+               for r in by.values() if r["feasible"] and r.get("predicted")]
+        right.scatter(*zip(*pts, strict=True), label=rep["regime"]["name"])
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set_xticks([i + width * (len(reports) - 1) / 2 for i in range(len(names))])
+    left.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    left.set_ylabel("samples/s ÷ pure EP (ep4)")
+    left.set_title("two-node fabric, world 4", fontsize=10)
+    left.legend(fontsize=8)
+    lo, hi = 0.0, max(2.2, *(c.get_offsets()[:, :].max() for c in right.collections))
+    grid = [lo, hi]
+    right.plot(grid, grid, color="grey", linewidth=0.8)
+    right.fill_between(grid, [0.75 * g for g in grid], [1.25 * g for g in grid], color="grey", alpha=0.15,
+                       label="±25%")
+    right.set_xlabel("measured samples/s ÷ pure EP")
+    right.set_ylabel("predicted samples/s ÷ pure EP")
+    right.set_title("step-time model (calibrated on flat ep4 only)", fontsize=10)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Tables (and a chart) of regime reports from bench_training.")
+    parser.add_argument("reports", nargs="+")
+    parser.add_argument("--chart", default=None)
+    cli = parser.parse_args()
+    loaded = [json.loads(open(p).read()) for p in cli.reports]
+    for rep in loaded:
+        print(markdown(rep) + "\n")
+    if cli.chart:
+        chart(loaded, cli.chart)
