@@ -1059,6 +1059,22 @@ def chart(runs: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _clean_start() -> None:
+    """SIGTERM exits through ``finally`` (so namespaces are removed); namespaces of killed runs are removed."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if os.geteuid() == 0 and shutil.which("ip"):
+        stale = remove_stale_namespaces()
+        if stale:
+            print(f"removed stale namespaces of earlier killed runs: {stale}")
+
+
+def _write_json(report: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
 def memory_rate_gbps(seconds: float = 1.0) -> float:
     """Bytes read + written per second by a large tensor copy on this machine (the optimizer term's rate)."""
     import torch
@@ -1102,10 +1118,7 @@ def run_regime(regime, args) -> None:
     print(f"regime {regime.name}: T = {shapes['T']}, T* = {shapes['T_star']:.1f}, T/T* = {shapes['T_over_T_star']:.2f} "
           f"(target {regime.target_t_over_t_star}); memory budget {budget['budget_bytes'] / rg.MIB:.0f} MiB per rank "
           f"(1.5 × planner {budget['planner_hybrid_bytes'] / rg.MIB:.1f} MiB + 128 MiB)", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    stale = remove_stale_namespaces()
-    if stale:
-        print(f"removed stale namespaces of earlier killed runs: {stale}")
+    _clean_start()
     workdir = tempfile.mkdtemp(prefix=PREFIX)
     try:
         ckpt = str(Path(workdir) / "ckpt")
@@ -1140,10 +1153,7 @@ def run_regime(regime, args) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     report["elapsed_s"] = time.monotonic() - started
     _regime_results(report, regime)
-    tmp = args.json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, args.json)
+    _write_json(report, args.json)
     with contextlib.suppress(Exception):
         chart([r for r in report["runs"] if r["fabric"] == "two-node"], args.chart,
               f"regime {regime.name}: Qwen3-MoE {model_args.num_experts} experts top-{model_args.num_experts_per_tok}, "
@@ -1213,9 +1223,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.reevaluate:
         report = json.loads(Path(args.reevaluate).read_text())
         _regime_results(report, REGIMES[report["regime"]["name"]])
-        tmp = args.reevaluate + ".tmp"
-        Path(tmp).write_text(json.dumps(report, indent=1))
-        os.replace(tmp, args.reevaluate)
+        _write_json(report, args.reevaluate)
         print(json.dumps({k: report["regime"][k] for k in ("achieved", "goals", "validation")}, indent=1))
         return
     if args.regime:
@@ -1250,11 +1258,7 @@ def main(argv: list[str] | None = None) -> None:
                               "optimizer": {"class": "torch.optim.AdamW", "lr": step.lr, **OPTIMIZER,
                                             "note": "the same settings for every arm"}}
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the namespaces are removed
-    if os.geteuid() == 0 and shutil.which("ip"):
-        stale = remove_stale_namespaces()
-        if stale:
-            print(f"removed stale namespaces of earlier killed runs: {stale}")
+    _clean_start()
     workdir = tempfile.mkdtemp(prefix=PREFIX)
     try:
         ckpt = str(Path(workdir) / "ckpt")
@@ -1278,10 +1282,7 @@ def main(argv: list[str] | None = None) -> None:
     report["param_bytes_formula"] = {"ok": not failures, "failures": failures}
     report["goals"] = goals(report["runs"])
     report["overlap_goals"] = overlap_goals(report["runs"], report["fabrics"])
-    tmp = args.json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, args.json)
+    _write_json(report, args.json)
     with contextlib.suppress(Exception):
         chart(report["runs"], args.chart,
               f"Qwen3-MoE {model_args.num_experts} experts, hidden {model_args.hidden_size}, {model_args.num_hidden_layers} "

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 MIB = 2**20
@@ -54,7 +54,6 @@ class Regime:
     target_r_x: float
     runs: tuple[str, ...] = ("dp4", "hybrid-dp2-ep2", "ep4", "hybrid-dp2-ep2-zero1",
                              "hybrid-dp2-ep2-fsdp-zero1", "hf-native-fsdp4-ep4", "hf-native-hsdp2x2-ep2")
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def tokens_per_rank(self) -> int:

@@ -20,15 +20,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _counts(regime):
-    from transformers import Qwen3MoeConfig
-
-    m = regime.model
-    return count_parameters(Qwen3MoeConfig(
-        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=4 * m["hidden_size"],
-        moe_intermediate_size=m["moe_intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
-        num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
-        head_dim=m["hidden_size"] // m["num_attention_heads"], num_experts=m["num_experts"],
-        num_experts_per_tok=m["num_experts_per_tok"], tie_word_embeddings=False))
+    return count_parameters(rg.qwen3_moe_config(regime.model))
 
 
 @pytest.mark.parametrize("name", sorted(rg.REGIMES))
