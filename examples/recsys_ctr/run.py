@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{kind:13s} " + "  ".join(f"lr {lr}: {a:.4f}" for lr, a in table[kind].items()) + f"  → {best[kind]}")
         return
 
-    jobs = [(kind, seed) for seed in range(args.seeds) for kind in KINDS]
+    # longest first (dense-total costs ~3× the MoE model and ~6× dense-active in one process), so that
+    # the parallel jobs finish together
+    cost = {"dense_total": 0, "moe": 1, "dense_active": 2}
+    jobs = sorted(((kind, seed) for seed in range(args.seeds) for kind in KINDS), key=lambda j: (cost[j[0]], j[1]))
     with ThreadPoolExecutor(1 if dp * ep > 1 else args.jobs) as pool:
         done = dict(zip(jobs, pool.map(lambda j: train(*j), jobs), strict=True))
     results = {kind: [done[(kind, s)] for s in range(args.seeds)] for kind in KINDS}
