@@ -1068,6 +1068,16 @@ def _clean_start() -> None:
             print(f"removed stale namespaces of earlier killed runs: {stale}")
 
 
+def _run_logged(spec: RunSpec, fabric: Fabric, ckpt: str, step: StepArgs, world: int, workdir: str, report: dict,
+                started: float) -> dict:
+    """``run_layout`` with the fabric's ranks per node; the record appended to the report and one line printed."""
+    rec = run_layout(spec, fabric, ckpt, dataclasses.replace(step, ranks_per_node=fabric.ranks_per_node), world, workdir)
+    report["runs"].append(rec)
+    sps = f"{rec['samples_per_s']:.2f} samples/s" if rec["feasible"] else f"{rec['status']}: {rec.get('error', '')[:200]}"
+    print(f"[{time.monotonic() - started:6.0f}s] {fabric.name:8s} {spec.name:26s} {sps}", flush=True)
+    return rec
+
+
 def _write_json(report: dict, path: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -1144,11 +1154,7 @@ def run_regime(regime, args) -> None:
             report["fabrics"]["two-node"] = fabric.info
             print(f"[{time.monotonic() - started:6.0f}s] fabric two-node: {fabric.info}", flush=True)
             for name in regime.runs:
-                rec = run_layout(specs[name], fabric, ckpt, dataclasses.replace(step, ranks_per_node=world // 2), world,
-                                 workdir)
-                report["runs"].append(rec)
-                sps = f"{rec['samples_per_s']:.2f} samples/s" if rec["feasible"] else f"{rec['status']}: {rec.get('error', '')[:200]}"
-                print(f"[{time.monotonic() - started:6.0f}s] two-node {name:26s} {sps}", flush=True)
+                _run_logged(specs[name], fabric, ckpt, step, world, workdir, report, started)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report["elapsed_s"] = time.monotonic() - started
@@ -1270,11 +1276,7 @@ def main(argv: list[str] | None = None) -> None:
                 report["fabrics"][fabric.name] = fabric.info
                 print(f"[{time.monotonic() - started:6.0f}s] fabric {fabric.name}: {fabric.info}", flush=True)
                 for spec in specs:
-                    rec = run_layout(spec, fabric, ckpt, dataclasses.replace(step, ranks_per_node=fabric.ranks_per_node),
-                                     args.world, workdir)
-                    report["runs"].append(rec)
-                    sps = f"{rec['samples_per_s']:.2f} samples/s" if rec["feasible"] else f"{rec['status']}: {rec.get('error', '')[:200]}"
-                    print(f"[{time.monotonic() - started:6.0f}s] {fabric.name:8s} {spec.name:24s} {sps}", flush=True)
+                    _run_logged(spec, fabric, ckpt, step, args.world, workdir, report, started)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report["elapsed_s"] = time.monotonic() - started
