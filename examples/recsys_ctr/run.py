@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 KINDS = ("moe", "dense_active", "dense_total")
 SIZES = {  # training examples, held-out examples, epochs, seeds
-    "full": (2_000_000, 200_000, 1, 5), "quick": (200_000, 20_000, 6, 3), "smoke": (16_000, 4_000, 1, 1),
+    "full": (2_000_000, 200_000, 1, 5), "quick": (200_000, 20_000, 6, 2), "smoke": (16_000, 4_000, 1, 1),
 }
 # Adam learning rate per model, chosen by `--quick --lr-sweep 1e-2,3e-3,1e-3` on a validation set drawn
 # apart from the held-out test set (seed 0; results/lr_sweep.json): the widest dense model diverges at 1e-2.
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="200k / 20k examples, 6 epochs, 3 seeds (≤ 10 minutes on 2 cores)")
+                      help="200k / 20k examples, 6 epochs, 2 seeds (≤ 10 minutes on 2 cores)")
     size.add_argument("--smoke", action="store_true", help="16k / 4k examples, 1 epoch: a test of the mechanics")
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--plot", default=None, help="AUC vs training samples (PNG)")
-    parser.add_argument("--seeds", type=int, default=None, help="default: 5 (full), 3 (--quick), 1 (--smoke)")
+    parser.add_argument("--seeds", type=int, default=None, help="default: 5 (full), 2 (--quick), 1 (--smoke)")
     parser.add_argument("--jobs", type=int, default=2, help="single-process trainings at a time")
     parser.add_argument("--moe-layout", default="1x1", help="DPxEP for the MoE model (1x1: one process)")
     parser.add_argument("--no-deployment", action="store_true", help="skip the 8-process deployment run")
