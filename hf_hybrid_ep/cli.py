@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--ep-degree", type=int, default=None, help="EP ranks to lay the experts out for "
                    "(default: the placement's row count)")
-    p.add_argument("--placement", default=None, help="placement.json (from `place`) or a JSON table of rows")
+    p.add_argument("--placement", default=None, help="placement.json (from `place`: a table per MoE layer or one) or a JSON table of rows")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--max-shard-size-mb", type=int, default=5 * 1024, help="cap of dense and fused files")
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--ep-degree", type=int, default=None)
-    p.add_argument("--placement", default=None, help="placement.json (from `place`) or a JSON table of rows")
+    p.add_argument("--placement", default=None, help="placement.json (from `place`: a table per MoE layer or one) or a JSON table of rows")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
     p = sub.add_parser("export", help="write a plain Hugging Face checkpoint in the original key format")
@@ -86,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                    "or one node)")
     p.add_argument("--replicas", type=int, default=0, help="extra copies of the hottest experts")
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed per-rank load above max(balanced, mean)")
-    p.add_argument("--out", required=True, help="placement.json: one table for every MoE layer")
+    p.add_argument("--one-table", action="store_true", help="fit one table to all layers' summed statistics "
+                   "instead of one table per layer")
+    p.add_argument("--out", required=True, help="placement.json: one table per MoE layer (or --one-table)")
 
     p = sub.add_parser("report", help="plots and a summary of an expert_load.jsonl")
     p.add_argument("stats", help="expert_load.jsonl written during training")
@@ -99,8 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_placement(path: str | None) -> list[list[int]] | None:
-    """Rows of a placement table from ``placement.json`` (its ``placement`` key) or a bare JSON list."""
+def _read_placement(path: str | None) -> list[list[int]] | dict[str, list[list[int]]] | None:
+    """The placement in ``placement.json`` (its ``placement`` key: per layer or one table) or a bare JSON table."""
     if path is None:
         return None
     from .placement import read_placement_file
@@ -178,7 +180,7 @@ def _place(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from .metrics import read_jsonl
-    from .placement import RoutingStats, imbalance, place_report, rank_loads
+    from .placement import RoutingStats, place_layers
     from .topology import Topology
 
     out = Path(args.out)
@@ -188,33 +190,30 @@ def _place(args: argparse.Namespace) -> None:
     topo = Topology.parse(args.topology)
     ep = args.ep_degree if args.ep_degree is not None else topo.total_gpus or topo.gpus_per_node
     stats = RoutingStats.from_records(records)
-    result = place_report(stats, ep, args.replicas, topo, args.tolerance)
+    result = place_layers(records, ep, args.replicas, topo, args.tolerance, per_layer=not args.one_table)
     print(f"{len(records)} records, {stats.layers} MoE layers, {stats.num_experts} experts, top-{stats.top_k}; "
           f"ep {ep} on {topo.describe()}; method {result['method']}")
     print("token sends per direction (dispatch; combine mirrors it), summed over layers:")
-    for name in ("contiguous", "placed"):
+    for name, label in (("contiguous", "contiguous"), ("one_table", "one table"), ("per_layer", "per layer")):
         r = result[name]
-        print(f"  {name:10s}: rank imbalance (max/mean) {r['imbalance']:.3f}; {_traffic_line(r['traffic'])}")
-    before, after = result["contiguous"]["traffic"], result["placed"]["traffic"]
-    for key, label in (("inter_node", "inter-node pair"), ("cross_node", "cross-node deduplicated"),
-                       ("cross_rack_dedup", "cross-rack deduplicated")):
-        if before[key]:
-            change = 100 * (after[key] / before[key] - 1)
-            print(f"  {label} traffic: {abs(change):.1f}% {'less' if change <= 0 else 'more'} than contiguous")
-    from .dispatch import PlacementTable
-
-    table = PlacementTable.from_rows(stats.num_experts, result["placement"])
-    contiguous = PlacementTable.contiguous(stats.num_experts, ep)
-    layers = {}
-    for name in records[0]["layers"]:
-        loads = RoutingStats.from_records(records, [name]).loads
-        layers[name] = {"imbalance_contiguous": imbalance(rank_loads(loads, contiguous)),
-                        "imbalance_balanced": imbalance(rank_loads(loads, table))}
-    result["layers"] = layers
+        print(f"  {label:10s}: rank imbalance (max/mean, summed loads) {r['imbalance']:.3f}; {_traffic_line(r['traffic'])}")
+    worst = {k: max(v[f"imbalance_{k}"] for v in result["layers"].values())
+             for k in ("contiguous", "one_table", "per_layer")}
+    print(f"  worst single layer's rank imbalance: contiguous {worst['contiguous']:.3f}, one table "
+          f"{worst['one_table']:.3f}, per layer {worst['per_layer']:.3f}")
+    before = result["contiguous"]["traffic"]
+    for name, label in (("one_table", "one table"), ("per_layer", "per layer")):
+        after = result[name]["traffic"]
+        for key, kind in (("inter_node", "inter-node pair"), ("cross_node", "cross-node deduplicated"),
+                          ("cross_rack_dedup", "cross-rack deduplicated")):
+            if before[key]:
+                change = 100 * (after[key] / before[key] - 1)
+                print(f"  {label}: {kind} traffic {abs(change):.1f}% {'less' if change <= 0 else 'more'} than contiguous")
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(out)
-    print(f"wrote {out} (use: HybridEPConfig(placement=...), convert/reshard --placement {out})")
+    kind = "one table for every MoE layer" if args.one_table else f"one table per MoE layer ({stats.layers})"
+    print(f"wrote {out}: {kind} (use: HybridEPConfig(placement=...), convert/reshard --placement {out})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,7 +91,10 @@ class HybridEPConfig:
             torch otherwise). A requested backend that cannot run is an error with the reason.
         placement: ``"contiguous"`` (EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``), or an explicit
             table: a list over EP ranks of the global expert ids each rank holds, e.g.
-            ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated.
+            ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated. One table serves every
+            MoE layer; for a table per layer give a mapping from the experts module's qualified name to
+            its table (``{"model.layers.0.mlp.experts": [[0, 3], [1, 2]], ...}``, as ``place`` writes
+            it); layers the mapping does not name are contiguous. All tables have one row per EP rank.
         check_finite: detect NaN/inf in router inputs and raise on every rank at once, naming the layer.
             Costs one scalar all-reduce over the world per MoE layer and step.
         reduce_dense_gradients: average dense gradients over the world after ``backward()``. Turn it off
@@ -165,7 +168,7 @@ class HybridEPConfig:
     dp_degree: int | None = None
     ep_degree: int | None = None
     dispatcher: str = "auto"
-    placement: str | list[list[int]] = "contiguous"
+    placement: str | list[list[int]] | dict[str, list[list[int]]] = "contiguous"
     check_finite: bool = True
     reduce_dense_gradients: bool = True
     overlap_degree: int = 1
@@ -244,16 +247,19 @@ class HybridEPConfig:
                     f"placement={self.placement!r} is unknown; use one of {list(PLACEMENTS)} "
                     "or an explicit table (a list over EP ranks of global expert ids)"
                 )
+        elif isinstance(self.placement, Mapping):
+            for layer, rows in self.placement.items():
+                if not isinstance(layer, str):
+                    raise HybridEPConfigError(f"per-layer placement key {layer!r} must be an experts module's "
+                                              "qualified name (a string)")
+                if not (isinstance(rows, str) and rows in PLACEMENTS):
+                    _check_rows(rows, f"placement table of layer {layer!r}")
+            _placement_rows(self.placement)
         elif isinstance(self.placement, Sequence):
-            for row in self.placement:
-                if not isinstance(row, Sequence) or isinstance(row, str) or not all(
-                    isinstance(e, int) and not isinstance(e, bool) for e in row
-                ):
-                    raise HybridEPConfigError(
-                        f"placement table {self.placement!r} must be a list of lists of integer expert ids"
-                    )
+            _check_rows(self.placement, "placement table")
         else:
-            raise HybridEPConfigError(f"placement={self.placement!r} must be a name or a table")
+            raise HybridEPConfigError(f"placement={self.placement!r} must be a name, a table or a mapping "
+                                      "from layer name to table")
         for name in ("router_temperature", "capacity_factor"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
@@ -321,9 +327,10 @@ class HybridEPConfig:
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         dp, ep = self.dp_degree, self.ep_degree
+        rows = _placement_rows(self.placement)
         if dp is None and ep is None:
-            if isinstance(self.placement, list):
-                ep = len(self.placement)
+            if rows is not None:
+                ep = rows
             else:
                 ep = max(
                     d
@@ -342,10 +349,10 @@ class HybridEPConfig:
             raise HybridEPConfigError(
                 f"dp_degree × ep_degree = {dp} × {ep} = {dp * ep} does not equal the world size {world_size}"
             )
-        if isinstance(self.placement, list):
-            if len(self.placement) != ep:
+        if rows is not None:
+            if rows != ep:
                 raise HybridEPConfigError(
-                    f"placement table has {len(self.placement)} rows but ep_degree={ep}; give one row per EP rank"
+                    f"placement table has {rows} rows but ep_degree={ep}; give one row per EP rank"
                 )
         elif num_experts % ep != 0:
             raise HybridEPConfigError(
@@ -353,3 +360,26 @@ class HybridEPConfig:
                 f"{self.placement!r}; pick an ep_degree that divides {num_experts} or give an explicit table"
             )
         return dp, ep
+
+
+def _check_rows(rows: object, what: str) -> None:
+    if not isinstance(rows, Sequence) or isinstance(rows, str) or not all(
+        isinstance(row, Sequence) and not isinstance(row, str)
+        and all(isinstance(e, int) and not isinstance(e, bool) for e in row)
+        for row in rows
+    ):
+        raise HybridEPConfigError(f"{what} {rows!r} must be a list of lists of integer expert ids")
+
+
+def _placement_rows(placement: object) -> int | None:
+    """Rows (EP ranks) an explicit placement fixes; ``None`` for a named one. A per-layer mapping's
+    tables must agree (a layer it maps to ``"contiguous"`` takes any EP degree)."""
+    if isinstance(placement, str):
+        return None
+    if isinstance(placement, Mapping):
+        counts = {layer: len(rows) for layer, rows in placement.items() if not isinstance(rows, str)}
+        if len(set(counts.values())) > 1:
+            raise HybridEPConfigError(f"per-layer placement tables have different row counts {counts}; every "
+                                      "layer needs one row per EP rank of the same EP group")
+        return next(iter(counts.values()), None)
+    return len(placement)

@@ -27,7 +27,12 @@ def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
         library_name="transformers",
         tags=["moe", "hybrid-ep", "expert-parallel", "safetensors"],
     )
-    per_rank = len(meta.placement[0])
+    if meta.per_layer:
+        placement_summary = f"one table per MoE layer ({len(meta.placement)} layers; see the index's metadata)"
+    else:
+        shared, per_rank = meta.placement, len(meta.placement[0])
+        placement_summary = f"contiguous, {per_rank} experts per EP rank" if shared == [
+            list(range(r * per_rank, (r + 1) * per_rank)) for r in range(meta.ep_degree)] else str(shared)
     return ModelCard.from_template(
         data,
         template_path=str(TEMPLATE),
@@ -36,9 +41,7 @@ def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
         ep_degree=meta.ep_degree,
         num_experts=meta.num_experts,
         num_moe_layers=meta.num_moe_layers,
-        placement_summary=f"contiguous, {per_rank} experts per EP rank" if meta.placement == [
-            list(range(r * per_rank, (r + 1) * per_rank)) for r in range(meta.ep_degree)
-        ] else str(meta.placement),
+        placement_summary=placement_summary,
         storage=meta.storage,
         dtype=meta.dtype,
         repo_id=repo_id,

@@ -13,6 +13,7 @@ from torch import nn
 from .agreement import InputAgreement
 from .config import HybridEPConfig, HybridEPConfigError
 from .dispatch import PlacementTable, resolve_backend
+from .dispatch.table import layer_tables
 from .dispatch.torch_backend import CONTROL_INTS
 from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
 from .grads import ExpertBucket, ExpertHome, GradientReducer
@@ -43,12 +44,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
-
-
-def _table_for(config: HybridEPConfig, num_experts: int, ep_degree: int) -> PlacementTable:
-    if isinstance(config.placement, list):
-        return PlacementTable.from_rows(num_experts, config.placement)
-    return PlacementTable.contiguous(num_experts, ep_degree)
 
 
 def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh: HybridMesh) -> None:
@@ -150,7 +145,7 @@ def parallelize(
     # One layout for all layers: resolved against the gcd of the layers' expert counts.
     dp, ep = config.resolve(world, math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
-    tables = [_table_for(config, m.num_experts, ep) for _, m in found]
+    tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
     mesh = build_mesh(dp, ep, topology=config.topology)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)

@@ -139,13 +139,14 @@ class RoutingStats:
         return cls(loads, coact, k, len(indices))
 
 
-def read_placement_file(path: str | os.PathLike[str]) -> list[list[int]]:
-    """Rows of a placement table from ``placement.json`` (its ``placement`` key, as ``place`` writes it)
-    or a file holding a bare JSON list of rows.
+def read_placement_file(path: str | os.PathLike[str]) -> list[list[int]] | dict[str, list[list[int]]]:
+    """The placement in ``placement.json`` (its ``placement`` key, as ``place`` writes it: per layer, a
+    mapping from experts module name to table, or one table) or a file holding a bare JSON table.
 
     Raises:
         HybridEPConfigError: naming the file (and the bad value) when it is missing, a directory, not
-            UTF-8 JSON, or holds no list of lists of integer expert ids (``true`` is not an id).
+            UTF-8 JSON, or holds no table (a list of lists of integer expert ids; ``true`` is not an id)
+            or mapping of layer names to tables.
     """
     name = str(path)
     path = Path(path)
@@ -162,15 +163,22 @@ def read_placement_file(path: str | os.PathLike[str]) -> list[list[int]]:
         raise HybridEPConfigError(f"placement file {name!r} is not JSON: {err}") from err
     except OSError as err:
         raise HybridEPConfigError(f"placement file {name!r} cannot be read: {err.strerror}") from err
-    rows = data.get("placement") if isinstance(data, dict) else data
+    placement = data.get("placement") if isinstance(data, dict) else data
+    if isinstance(placement, dict) and placement:
+        return {layer: _table_rows(rows, f"placement file {name!r}, layer {layer!r}")
+                for layer, rows in placement.items()}
+    return _table_rows(placement, f"placement file {name!r}")
+
+
+def _table_rows(rows: object, where: str) -> list[list[int]]:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
-        raise HybridEPConfigError(f"placement file {name!r} holds no table (a non-empty list of lists of expert "
-                                  "ids, or an object with such a 'placement' key)")
+        raise HybridEPConfigError(f"{where} holds no table (a non-empty list of lists of expert ids, or an "
+                                  "object with such a 'placement' key, or one per layer)")
     for r, row in enumerate(rows):
         for e in row:
             if isinstance(e, bool) or not isinstance(e, int):
-                raise HybridEPConfigError(f"placement file {name!r}: row {r} = {json.dumps(row)} holds "
-                                          f"{json.dumps(e)}, not an integer expert id")
+                raise HybridEPConfigError(f"{where}: row {r} = {json.dumps(row)} holds {json.dumps(e)}, not an "
+                                          "integer expert id")
     return rows
 
 
@@ -643,23 +651,24 @@ def _swap_gain(W: np.ndarray, group: np.ndarray, groups: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- report
 
 
+def fit_placement(stats: RoutingStats, ep_degree: int, topology: Topology | str | None = None, replicas: int = 0,
+                  tolerance: float = 0.05) -> tuple[PlacementTable, str]:
+    """The placement ``place`` fits to ``stats`` and its method: co-activation-aware when the statistics
+    carry co-activation counts, else the hierarchical load-balanced packing."""
+    if stats.coactivation is not None:
+        return coactivation_placement(stats, ep_degree, topology, replicas, tolerance), "coactivation"
+    return hierarchical_placement(stats.loads, ep_degree, topology, replicas), "hierarchical"
+
+
 def place_report(stats: RoutingStats | Sequence[float], ep_degree: int, replicas: int = 0,
                  topology: Topology | str | None = None, tolerance: float = 0.05) -> dict:
-    """Predicted per-rank imbalance and traffic of the contiguous placement and of the new one.
-
-    The new one is co-activation-aware when the statistics carry co-activation counts and the EP
-    group spans several nodes, else the hierarchical load-balanced packing.
-    """
+    """Predicted per-rank imbalance and traffic of the contiguous placement and of the new one
+    (:func:`fit_placement`)."""
     if not isinstance(stats, RoutingStats):
         stats = RoutingStats(np.asarray(stats, dtype=float), None, 1)
     topo = Topology.of(topology)
     before = PlacementTable.contiguous(stats.num_experts, ep_degree)
-    if stats.coactivation is not None:
-        after = coactivation_placement(stats, ep_degree, topo, replicas, tolerance)
-        method = "coactivation"
-    else:
-        after = hierarchical_placement(stats.loads, ep_degree, topo, replicas)
-        method = "hierarchical"
+    after, method = fit_placement(stats, ep_degree, topo, replicas, tolerance)
     result = {"ep_degree": ep_degree, "replicas": replicas, "topology": topo.describe(), "method": method}
     for name, table in (("contiguous", before), ("placed", after)):
         result[name] = {"imbalance": imbalance(rank_loads(stats.loads, table)),
@@ -667,4 +676,47 @@ def place_report(stats: RoutingStats | Sequence[float], ep_degree: int, replicas
     result["imbalance_contiguous"] = result["contiguous"]["imbalance"]
     result["imbalance_balanced"] = result["placed"]["imbalance"]
     result["placement"] = [list(row) for row in after.rows]
+    return result
+
+
+def _sum_traffic(parts: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+    return {k: None if any(p[k] is None for p in parts) else float(sum(p[k] for p in parts)) for k in parts[0]}
+
+
+def place_layers(records: Sequence[Mapping], ep_degree: int, replicas: int = 0, topology: Topology | str | None = None,
+                 tolerance: float = 0.05, per_layer: bool = True) -> dict:
+    """Fit placements to ``expert_load.jsonl`` records: one table per MoE layer (``per_layer``) or one
+    table for all, and report both against contiguous.
+
+    Returns the :func:`place_report` of the layers' summed statistics (keys ``contiguous`` and
+    ``one_table``: rank imbalance of the summed loads and traffic), ``per_layer`` (the same for the
+    per-layer tables: loads and traffic summed over layers), ``layers`` (per layer: rank imbalance
+    under contiguous, the one table and its own table) and ``placement``: ``{layer: rows}`` when
+    ``per_layer``, else the one table's rows.
+    """
+    topo = Topology.of(topology)
+    names = list(records[0]["layers"]) if records else []
+    summed = RoutingStats.from_records(records)
+    result = place_report(summed, ep_degree, replicas, topo, tolerance)
+    result["one_table"] = result.pop("placed")
+    one = PlacementTable.from_rows(summed.num_experts, result["placement"])
+    contiguous = PlacementTable.contiguous(summed.num_experts, ep_degree)
+    layers, tables, traffic = {}, {}, []
+    rank_sum = np.zeros(ep_degree)
+    for name in names:
+        stats = RoutingStats.from_records(records, [name])
+        own, _ = fit_placement(stats, ep_degree, topo, replicas, tolerance)
+        tables[name] = own
+        loads = rank_loads(stats.loads, own)
+        rank_sum += loads
+        traffic.append(expected_traffic(stats, own, topo))
+        layers[name] = {"imbalance_contiguous": imbalance(rank_loads(stats.loads, contiguous)),
+                        "imbalance_one_table": imbalance(rank_loads(stats.loads, one)),
+                        "imbalance_per_layer": imbalance(loads)}
+    result["per_layer"] = {"imbalance": imbalance(rank_sum), "traffic": _sum_traffic(traffic),
+                           "worst_layer_imbalance": max(v["imbalance_per_layer"] for v in layers.values())}
+    result["layers"] = layers
+    result["placement"] = {n: [list(r) for r in t.rows] for n, t in tables.items()} if per_layer else [
+        list(r) for r in one.rows]
+    del result["imbalance_contiguous"], result["imbalance_balanced"]
     return result

@@ -95,7 +95,7 @@ def train_parity(
     steps: int = 3,
     accum: int = 2,
     max_norm: float = 0.5,
-    placement: list[list[int]] | None = None,
+    placement: list[list[int]] | dict[str, list[list[int]]] | None = None,
     lr: float = 1e-3,
     gradient_checkpointing: bool = False,
     dispatcher: str = "auto",
@@ -197,6 +197,7 @@ def train_parity(
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
         "frozen_with_grad": frozen_with_grad,
         "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
+        "placements": {layer.name: [list(row) for row in layer.table.rows] for layer in hep.state_of(model).layers},
         "zero_initialised": sorted(measured_names),
         **_compare_params(model, ref, measured_names, spread_of, step_budget=2 * steps * lr),
     }
@@ -813,8 +814,9 @@ def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) 
             "rows_local": sum(v["shadow"]["rows_local"] for v in layers)}
 
 
-def save_and_reload_placement(directory: str, placement: list[list[int]]) -> dict:
-    """Save a model parallelized with ``placement``; reload it with no placement in the config."""
+def save_and_reload_placement(directory: str, placement: list[list[int]] | dict[str, list[list[int]]]) -> dict:
+    """Save a model parallelized with ``placement`` (one table or per layer); reload it with no placement
+    in the config."""
     from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
 
     model, ref = _build("mixtral", 4)
@@ -823,7 +825,8 @@ def save_and_reload_placement(directory: str, placement: list[list[int]]) -> dic
     loaded = hep.from_pretrained(directory, hep.HybridEPConfig(dp_degree=1, ep_degree=2))
     mine = dict(model.named_parameters())
     equal = all(torch.equal(p, mine[n]) for n, p in loaded.named_parameters())
-    return {"reloaded": [list(r) for r in hep.state_of(loaded).layers[0].table.rows], "equal": equal}
+    tables = {layer.name: [list(r) for r in layer.table.rows] for layer in hep.state_of(loaded).layers}
+    return {"reloaded": next(iter(tables.values())), "reloaded_per_layer": tables, "equal": equal}
 
 
 def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:

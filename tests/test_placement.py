@@ -206,15 +206,41 @@ def test_place_command(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "contiguous" in printed and "less than contiguous" in printed and "method coactivation" in printed
     result = json.loads(out.read_text())
-    table = PlacementTable.from_rows(8, result["placement"])
+    table = PlacementTable.from_rows(8, result["placement"]["model.layers.0.mlp.experts"])
     _assert_valid(table, 8, 4, 0)
     # 2 records × 2000 tokens, every token inside one group: (1 − 1/2)·(8000 assignments − 4000 co-located pairs)
-    assert result["placed"]["traffic"]["cross_node"] == pytest.approx(0.5 * (8000 - 4000))
+    for fitted in ("per_layer", "one_table"):  # one layer: its own table is the one table
+        assert result[fitted]["traffic"]["cross_node"] == pytest.approx(0.5 * (8000 - 4000))
     assert result["contiguous"]["traffic"]["cross_node"] > 0
     assert {frozenset(table.rows[0] + table.rows[1]), frozenset(table.rows[2] + table.rows[3])} == {
         frozenset({0, 2, 4, 6}), frozenset({1, 3, 5, 7})}
     layer = result["layers"]["model.layers.0.mlp.experts"]
-    assert set(layer) == {"imbalance_contiguous", "imbalance_balanced"}
+    assert set(layer) == {"imbalance_contiguous", "imbalance_one_table", "imbalance_per_layer"}
+
+
+def test_place_command_fits_a_table_per_layer(tmp_path, capsys):
+    """Three layers with hot pairs {0,1}, {0,2}, {1,2}: one table per layer balances each; no shared table of
+    2 ranks can split all three pairs, so some layer has both its hot experts on one rank."""
+    stats = tmp_path / "expert_load.jsonl"
+    hot = {f"model.layers.{i}.mlp.experts": {"tokens_per_expert": [400 if e in pair else 10 for e in range(8)]}
+           for i, pair in enumerate([(0, 1), (0, 2), (1, 2)])}
+    stats.write_text("\n".join(json.dumps({"step": s, "layers": hot}) for s in (5, 10)))
+    out = tmp_path / "placement.json"
+    assert cli(["place", "--stats", str(stats), "--ep-degree", "2", "--out", str(out)]) == 0
+    assert "worst single layer" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["placement"]) == set(hot)
+    for name, layer in result["layers"].items():
+        table = PlacementTable.from_rows(8, result["placement"][name])
+        loads = hot[name]["tokens_per_expert"]
+        assert layer["imbalance_per_layer"] == pytest.approx(imbalance(rank_loads(loads, table)))
+        assert layer["imbalance_per_layer"] == pytest.approx(1.0)  # 410 + 10·3 on each rank
+    assert result["per_layer"]["worst_layer_imbalance"] == pytest.approx(1.0)
+    assert max(layer["imbalance_one_table"] for layer in result["layers"].values()) > 1.5  # (800+30)/(440)
+    one = tmp_path / "one.json"
+    assert cli(["place", "--stats", str(stats), "--ep-degree", "2", "--one-table", "--out", str(one)]) == 0
+    rows = json.loads(one.read_text())["placement"]
+    assert PlacementTable.from_rows(8, rows).ep_degree == 2  # one table, as before
 
 
 def test_place_command_with_replicas_and_no_coactivation(tmp_path, capsys):
@@ -225,6 +251,6 @@ def test_place_command_with_replicas_and_no_coactivation(tmp_path, capsys):
     assert cli(["place", "--stats", str(stats), "--ep-degree", "4", "--replicas", "4", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["method"] == "hierarchical"
-    assert result["placed"]["imbalance"] < result["contiguous"]["imbalance"]
-    assert PlacementTable.from_rows(8, result["placement"]).slots_per_rank == 3
+    assert result["per_layer"]["imbalance"] < result["contiguous"]["imbalance"]
+    assert PlacementTable.from_rows(8, result["placement"]["model.layers.0.mlp.experts"]).slots_per_rank == 3
     assert "contiguous" in capsys.readouterr().out

@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from ..dispatch import PlacementTable
+from ..dispatch.table import PlacementSpec, layer_tables, spec_of
+from ..experts import find_experts_modules
 from .atomic import check_output_free, open_checkpoint, staged_save
 from .format import (
     INDEX_NAME,
@@ -34,7 +37,7 @@ from .format import (
     read_index,
     write_index,
 )
-from .layout import classify_keys, model_experts
+from .layout import ModelExperts, classify_keys, model_experts
 from .manifest import save_metadata
 from .safetensors_io import CheckpointError, StreamingSafetensorsWriter, TensorSpec, sha256_file
 from .side_state import SIDE_FILE
@@ -172,7 +175,7 @@ def convert_checkpoint(
     out: str | os.PathLike[str],
     *,
     ep_degree: int | None = None,
-    placement: PlacementTable | list[list[int]] | None = None,
+    placement: PlacementSpec | PlacementTable | None = None,
     dtype: str | None = None,
     revision: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -182,11 +185,13 @@ def convert_checkpoint(
     """Convert a Hub repo or local checkpoint (or reshard a hybrid-EP one) for ``ep_degree`` EP ranks.
 
     Per-expert keys go to one file per EP rank (global expert ids in the keys): the rank that holds
-    the expert under ``placement`` (a table, one row of expert ids per EP rank; default contiguous),
-    the first holder for a replicated expert (a key lives in one file; loading reads keys, not files,
-    so every holder finds it). Fused ``[E, ...]`` expert tensors stay whole; dense tensors go to
-    size-capped shards. The table is stored in the index (``metadata.hybrid_ep.placement``) and used
-    by :func:`hf_hybrid_ep.from_pretrained` when the config names no placement.
+    the expert under ``placement`` (one table — one row of expert ids per EP rank — for every MoE
+    layer, or a mapping from experts module name to its layer's table, as ``HybridEPConfig`` takes it;
+    default contiguous), the first holder for a replicated expert (a key lives in one file; loading
+    reads keys, not files, so every holder finds it). Fused ``[E, ...]`` expert tensors stay whole;
+    dense tensors go to size-capped shards. The tables are stored in the index
+    (``metadata.hybrid_ep.placement``: one table when every layer has the same, else per layer) and
+    used by :func:`hf_hybrid_ep.from_pretrained` when the config names no placement.
 
     OUT is checked first (it must not exist or be empty) and claimed, so a concurrent convert into
     it fails at once; the result is staged and renamed into place complete (:mod:`.atomic`). No code
@@ -216,7 +221,7 @@ def convert_into(
     save_id: str,
     *,
     ep_degree: int | None = None,
-    placement: PlacementTable | list[list[int]] | None = None,
+    placement: PlacementSpec | PlacementTable | None = None,
     dtype: torch.dtype | None = None,
     revision: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -227,8 +232,8 @@ def convert_into(
     torch_dtype = dtype
     src_dir, source = resolve_source(src, revision)
     experts = model_experts(src_dir, trust_remote_code)
-    table = _placement_table(placement, ep_degree, experts.num_experts)
-    ep_degree = table.ep_degree
+    tables = _placement_tables(placement, ep_degree, experts)
+    ep_degree = next(iter(tables.values())).ep_degree
     index = read_index(src_dir)
     validate_against_model(experts.model, index.specs, str(src_dir))
     source = _source_record(src_dir, source, index)
@@ -236,13 +241,15 @@ def convert_into(
 
     def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
         roles = classify_keys(specs, experts.num_experts)
-        owner = {e: table.holders(e)[0] for e in range(experts.num_experts)}
+        layer_of = _expert_key_layers(experts.model, [k for k, r in roles.items() if r.kind == "per_expert"],
+                                      tables)
+        owner = {(name, e): t.holders(e)[0] for name, t in tables.items() for e in range(t.num_experts)}
         dense = [s for k, s in sorted(specs.items()) if roles[k].kind == "dense"]
         fused = [s for k, s in sorted(specs.items()) if roles[k].kind == "fused"]
         per_rank: dict[int, list[TensorSpec]] = {r: [] for r in range(ep_degree)}
         for k, s in sorted(specs.items()):
             if roles[k].kind == "per_expert":
-                per_rank[owner[roles[k].expert]].append(s)
+                per_rank[owner[(layer_of[k], roles[k].expert)]].append(s)
         layout: dict[str, list[TensorSpec]] = {}
         dense_groups = _pack_by_size(dense, max_shard_bytes)
         for i, group in enumerate(dense_groups, 1):
@@ -267,7 +274,7 @@ def convert_into(
             info.role, info.ep_rank = state["roles"].get(name, ("dense", None))
         meta = HybridEPMetadata(
             ep_degree=ep_degree, num_experts=experts.num_experts, num_moe_layers=experts.num_moe_layers,
-            storage=state["storage"], placement=[list(r) for r in table.rows], dtype=state["dtype"],
+            storage=state["storage"], placement=spec_of(tables), dtype=state["dtype"],
             source=source, files=infos,
         )
         write_index(tmp, weight_map, total, meta)
@@ -275,23 +282,48 @@ def convert_into(
     _rewrite(index, tmp, save_id, plan, finish, torch_dtype, progress)
 
 
-def _placement_table(placement: PlacementTable | list[list[int]] | None, ep_degree: int | None,
-                     num_experts: int) -> PlacementTable:
-    from ..config import HybridEPConfigError
+def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degree: int | None,
+                      experts: ModelExperts) -> dict[str, PlacementTable]:
+    """One table per MoE layer (experts module name → table) from a placement spec, or contiguous."""
+    from ..config import HybridEPConfigError, _placement_rows
 
+    layers = [(name, m.num_experts) for name, m in find_experts_modules(experts.model)]
+    if isinstance(placement, PlacementTable):
+        placement = [list(r) for r in placement.rows]
     if placement is None:
         if ep_degree is None:
             raise CheckpointError("give an EP degree or a placement table to lay the experts out for")
-        return PlacementTable.contiguous(num_experts, ep_degree)  # HybridEPConfigError names the values
+        placement = "contiguous"
     try:
-        table = placement if isinstance(placement, PlacementTable) else PlacementTable.from_rows(num_experts, placement)
-    except (HybridEPConfigError, TypeError, ValueError) as err:
-        raise CheckpointError(f"placement does not fit a model with {num_experts} experts: {err}") from err
-    if table.num_experts != num_experts:
-        raise CheckpointError(f"placement is for {table.num_experts} experts, the model has {num_experts}")
-    if ep_degree is not None and ep_degree != table.ep_degree:
-        raise CheckpointError(f"ep_degree={ep_degree} disagrees with the placement's {table.ep_degree} rows")
-    return table
+        rows = _placement_rows(placement)
+    except HybridEPConfigError as err:
+        raise CheckpointError(str(err)) from err
+    if ep_degree is not None and rows is not None and ep_degree != rows:
+        raise CheckpointError(f"ep_degree={ep_degree} disagrees with the placement's {rows} rows")
+    if rows is None and ep_degree is None:
+        raise CheckpointError("a placement that gives no table needs an EP degree")
+    try:
+        tables = layer_tables(placement, layers, ep_degree or rows)
+    except (HybridEPConfigError, TypeError) as err:
+        if isinstance(placement, str):
+            raise  # the contiguous layout's own error names the values
+        raise CheckpointError(f"placement does not fit a model with {experts.num_experts} experts: {err}") from err
+    return {name: table for (name, _), table in zip(layers, tables, strict=True)}
+
+
+def _expert_key_layers(model: nn.Module, keys: list[str], tables: dict[str, PlacementTable]) -> dict[str, str]:
+    """The MoE layer (experts module name) of every per-expert checkpoint key, through transformers'
+    conversion mapping (checkpoint formats name layers their own way, e.g. ``block_sparse_moe``)."""
+    from .load import model_tensor_names
+
+    layer_of = {}
+    for key, (name, _) in model_tensor_names(model, keys).items():
+        module = name.rpartition(".")[0]
+        if module not in tables:
+            raise CheckpointError(f"per-expert key {key!r} maps to {name!r}, which is in no MoE layer of the model "
+                                  f"({sorted(tables)})")
+        layer_of[key] = module
+    return layer_of
 
 
 def export_checkpoint(

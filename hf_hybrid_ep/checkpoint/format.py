@@ -25,7 +25,8 @@ from .safetensors_io import CheckpointError, TensorSpec, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ``placement`` may be per layer; 1 (one table for every layer) still loads
+READABLE_VERSIONS = (1, 2)
 PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)$")
 
 
@@ -59,7 +60,8 @@ class HybridEPMetadata:
     num_experts: int
     num_moe_layers: int
     storage: str  # "per_expert" | "fused"
-    placement: list[list[int]]
+    # one table (rows over EP ranks) for every MoE layer, or per layer: experts module name -> rows
+    placement: list[list[int]] | dict[str, list[list[int]]]
     dtype: str
     source: dict[str, Any] = field(default_factory=dict)
     files: dict[str, FileInfo] = field(default_factory=dict)
@@ -68,6 +70,24 @@ class HybridEPMetadata:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.placement, dict)
+
+    def layer_rows(self, layer: str) -> list[list[int]]:
+        """The placement table (rows over EP ranks) of MoE layer ``layer`` (its experts module's name)."""
+        if not self.per_layer:
+            return self.placement
+        if layer not in self.placement:
+            raise CheckpointError(f"the checkpoint's per-layer placement has no layer {layer!r}; it has "
+                                  f"{sorted(self.placement)}")
+        return self.placement[layer]
+
+    def rank_experts(self, ep_rank: int) -> set[int]:
+        """Global expert ids EP rank ``ep_rank`` holds in any layer."""
+        tables = self.placement.values() if self.per_layer else [self.placement]
+        return {e for rows in tables for e in rows[ep_rank]}
+
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str) -> HybridEPMetadata:
         try:
@@ -75,8 +95,12 @@ class HybridEPMetadata:
             meta = cls(**{**data, "files": files})
         except (KeyError, TypeError) as err:
             raise CheckpointError(f"{where}: malformed hybrid_ep metadata ({err})") from err
-        if meta.format_version != FORMAT_VERSION:
-            raise CheckpointError(f"{where}: hybrid_ep format_version {meta.format_version} is not supported")
+        if meta.format_version not in READABLE_VERSIONS:
+            raise CheckpointError(f"{where}: hybrid_ep format_version {meta.format_version} is not supported "
+                                  f"(this version of hf_hybrid_ep reads {list(READABLE_VERSIONS)}); upgrade it")
+        if meta.format_version < 2 and meta.per_layer:
+            raise CheckpointError(f"{where}: a per-layer placement needs format_version 2, the index says "
+                                  f"{meta.format_version}")
         return meta
 
 

@@ -56,9 +56,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"hybrid-EP format: ep_degree={summary['ep_degree']}, {summary['num_experts']} experts × "
             f"{summary['num_moe_layers']} MoE layers, storage={summary['storage']}, dtype={summary['dtype']}"
         )
-        for rank, row in enumerate(summary["placement"]):
-            lines.append(f"  EP rank {rank}: experts {row[0]}–{row[-1]}" if row == list(range(row[0], row[-1] + 1))
-                         else f"  EP rank {rank}: experts {row}")
+        placement = summary["placement"]
+        tables = placement.items() if isinstance(placement, dict) else [(None, placement)]
+        for layer, rows in tables:
+            indent = "  "
+            if layer is not None:
+                lines.append(f"  layer {layer}:")
+                indent = "    "
+            for rank, row in enumerate(rows):
+                lines.append(f"{indent}EP rank {rank}: experts {row[0]}–{row[-1]}"
+                             if row == list(range(row[0], row[-1] + 1)) else f"{indent}EP rank {rank}: experts {row}")
         if summary.get("verified"):
             lines.append("checksums: all files verified")
     else:

@@ -57,19 +57,27 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
 
 
-def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_map: dict[str, str]) -> dict[str, _Target]:
-    """Map every model tensor this rank needs to the checkpoint keys it is made of."""
+def model_tensor_names(model: nn.Module, keys) -> dict[str, tuple[str, str | None]]:
+    """For each checkpoint key, the model tensor it becomes under transformers' conversion mapping
+    (renamings, then converters) and the converter source pattern it matched (``None``: loaded as is)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, apply_converters, apply_renamings
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return {key: apply_converters(apply_renamings(key, renamings), converters) for key in keys}
+
+
+def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_map: dict[str, str]) -> dict[str, _Target]:
+    """Map every model tensor this rank needs to the checkpoint keys it is made of."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    converters = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
     by_module = {layer.name: layer for layer in layers}
     targets: dict[str, _Target] = defaultdict(_Target)
-    for key in sorted(weight_map):
-        renamed = apply_renamings(key, renamings)
-        name, pattern = apply_converters(renamed, converters)
+    for key, (name, pattern) in sorted(model_tensor_names(model, weight_map).items()):
         module_name, _, param = name.rpartition(".")
         layer = by_module.get(module_name)
         if pattern is None:
@@ -213,8 +221,9 @@ def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify
     load_side_state(model, root, verifier)
 
 
-def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | None:
-    """The placement table stored in a hybrid-EP index (``metadata.hybrid_ep.placement``), else ``None``."""
+def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | dict[str, list[list[int]]] | None:
+    """The placement stored in a hybrid-EP index (``metadata.hybrid_ep.placement``: one table for every
+    MoE layer, or per layer a mapping from experts module name to table), else ``None``."""
     index = Path(root) / INDEX_NAME
     if not index.is_file():
         return None
@@ -222,36 +231,46 @@ def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | None
         meta = (json.loads(index.read_text()).get("metadata") or {}).get("hybrid_ep") or {}
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err}") from err
-    rows = meta.get("placement")
-    return [list(map(int, row)) for row in rows] if rows else None
+    placement = meta.get("placement")
+    if not placement:
+        return None
+    if isinstance(placement, dict):
+        return {str(layer): [list(map(int, row)) for row in rows] for layer, rows in placement.items()}
+    return [list(map(int, row)) for row in placement]
+
+
+def _is_contiguous(rows: list[list[int]]) -> bool:
+    E = max(e for row in rows for e in row) + 1
+    return E % len(rows) == 0 and rows == [list(range(r * E // len(rows), (r + 1) * E // len(rows)))
+                                           for r in range(len(rows))]
 
 
 def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[str]) -> HybridEPConfig:
-    """``config`` with the checkpoint's placement table when it names none and the EP degree fits."""
+    """``config`` with the checkpoint's placement (one table or per layer) when it names none and the EP
+    degree fits."""
     import dataclasses
 
     import torch.distributed as dist
 
-    rows = checkpoint_placement(root)
-    if rows is None or isinstance(config.placement, list):
+    stored = checkpoint_placement(root)
+    if stored is None or not isinstance(config.placement, str):
         return config
-    E = max(e for row in rows for e in row) + 1
-    contiguous = len(rows) and E % len(rows) == 0 and rows == [
-        list(range(r * E // len(rows), (r + 1) * E // len(rows))) for r in range(len(rows))]
-    if contiguous:
+    tables = list(stored.values()) if isinstance(stored, dict) else [stored]
+    if all(_is_contiguous(rows) for rows in tables):
         return config
+    rows = len(tables[0])
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if config.ep_degree is not None:
         ep = config.ep_degree
     elif config.dp_degree is not None:
         ep = world // config.dp_degree
     else:
-        ep = len(rows) if world % len(rows) == 0 else None
-    if ep != len(rows):
-        logger.warning("the checkpoint's placement table is for ep_degree=%d; loading at ep_degree=%s lays the "
-                       "experts out contiguously (reshard with --placement to keep a placement)", len(rows), ep)
+        ep = rows if world % rows == 0 else None
+    if ep != rows:
+        logger.warning("the checkpoint's placement is for ep_degree=%d; loading at ep_degree=%s lays the "
+                       "experts out contiguously (reshard with --placement to keep a placement)", rows, ep)
         return config
-    return dataclasses.replace(config, placement=rows)
+    return dataclasses.replace(config, placement=stored)
 
 
 def from_pretrained(
@@ -267,7 +286,7 @@ def from_pretrained(
 
     ``path`` is a hybrid-EP or plain safetensors checkpoint directory, or a Hub repo id. The model is
     created with parameters on the meta device, sharded by :func:`hf_hybrid_ep.parallelize`, and then
-    filled from the checkpoint. The placement table stored in a hybrid-EP index is used when the
+    filled from the checkpoint. The placement stored in a hybrid-EP index (per layer or one table) is used when the
     config gives no explicit table (``placement="contiguous"``, the default) and the layout has its
     EP degree; at another EP degree the experts are laid out contiguously (logged). Collective: call
     on every rank.

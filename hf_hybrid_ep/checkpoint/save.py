@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from ..dispatch.table import spec_of
 from ..parallelize import state_of
 from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
 from .convert import convert_into
@@ -38,8 +39,8 @@ def write_model_files(model: nn.Module, directory: Path, save_id: str) -> None:
     model.save_pretrained(plain)  # collective: gathers experts, rank 0 writes
     if mesh.rank == 0:
         try:
-            table = state_of(model).layers[0].table
-            convert_into(plain, directory, save_id, placement=table, progress=False)
+            tables = {layer.name: layer.table for layer in state_of(model).layers}
+            convert_into(plain, directory, save_id, placement=spec_of(tables), progress=False)
             save_side_state(model, directory, save_id)
         finally:
             shutil.rmtree(plain, ignore_errors=True)
@@ -55,7 +56,7 @@ def _replaceable(directory: Path) -> bool:
 
 
 def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str]) -> Path:
-    """Write ``model`` as a hybrid-EP checkpoint laid out for its EP degree and placement table (stored
+    """Write ``model`` as a hybrid-EP checkpoint laid out for its EP degree and placement tables (stored
     in the index, so loading puts the same experts on the same ranks). Collective.
 
     ``output_dir`` absent, empty or holding only an earlier checkpoint: the checkpoint is staged beside

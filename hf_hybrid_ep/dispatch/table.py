@@ -158,3 +158,53 @@ class PlacementTable:
         position = torch.arange(expert_ids.numel(), device=device)
         choice = torch.where(own.any(dim=1), own.long().argmax(dim=1), position % num_rep)
         return ranks[expert_ids, choice], slots[expert_ids, choice]
+
+
+# ---------------------------------------------------------------------------------------------- per layer
+# A placement spec, as ``HybridEPConfig(placement=...)``, a checkpoint index and ``place`` carry it:
+# ``"contiguous"``; one table for every MoE layer (a list of rows); or per layer, a mapping from the
+# experts module's qualified name (``"model.layers.3.mlp.experts"``) to its table (layers it does not
+# name are laid out contiguously).
+PlacementSpec = str | list[list[int]] | dict[str, list[list[int]]]
+
+
+def is_per_layer(spec: object) -> bool:
+    """Whether ``spec`` is a per-layer mapping (layer name → table)."""
+    return isinstance(spec, Mapping)
+
+
+def layer_tables(spec: PlacementSpec, layers: Sequence[tuple[str, int]], ep_degree: int) -> list[PlacementTable]:
+    """One :class:`PlacementTable` per MoE layer ``(name, num_experts)`` from a placement spec.
+
+    Raises:
+        HybridEPConfigError: naming a layer of a per-layer spec that the model does not have (with the
+            names it has), or a table that does not fit its layer or the EP degree.
+    """
+    if is_per_layer(spec):
+        names = [name for name, _ in layers]
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise HybridEPConfigError(f"the per-layer placement names layer {unknown[0]!r}, which the model does "
+                                      f"not have; its MoE layers are {names}")
+        tables = []
+        for name, num_experts in layers:
+            rows = spec.get(name, "contiguous")
+            try:
+                tables.append(PlacementTable.contiguous(num_experts, ep_degree) if isinstance(rows, str)
+                              else PlacementTable.from_rows(num_experts, rows))
+            except HybridEPConfigError as err:
+                raise HybridEPConfigError(f"placement of layer {name!r}: {err}") from err
+        return tables
+    if isinstance(spec, str):
+        return [PlacementTable.contiguous(num_experts, ep_degree) for _, num_experts in layers]
+    return [PlacementTable.from_rows(num_experts, spec) for _, num_experts in layers]
+
+
+def spec_of(tables: Mapping[str, PlacementTable]) -> list[list[int]] | dict[str, list[list[int]]]:
+    """The most compact explicit spec for these per-layer tables: one table (rows) when every layer has
+    the same, else per layer (layer name → rows)."""
+    rows = {name: [list(r) for r in t.rows] for name, t in tables.items()}
+    distinct = {json.dumps(r) for r in rows.values()}
+    if len(distinct) == 1 and len({t.num_experts for t in tables.values()}) == 1:
+        return next(iter(rows.values()))
+    return rows
