@@ -163,6 +163,18 @@ class HybridEPConfig:
         coactivation_stats: also count, per MoE layer, the expert pairs chosen by the same token (an
             ``E × E`` counter, all-reduced with the loads once per optimizer step and written to
             ``expert_load.jsonl`` as ``coactivation``) for co-activation-aware placement.
+
+    Online rebalancing (off by default; :mod:`hf_hybrid_ep.rebalance`, docs/placement.md): after an
+    optimizer step (``routing_step``) experts move between EP ranks, with their optimizer state, to
+    per-layer tables fitted to the loads since the last rebalance; training stays faithful.
+
+        rebalance_every: rebalance every this many optimizer steps.
+        rebalance_when_imbalance_over: rebalance when the worst layer's rank imbalance (max/mean
+            expected tokens per EP rank under its current table) exceeds this (> 1).
+        rebalance_replicas: extra copies of the hottest experts per layer in the fitted tables
+            (``num_experts + rebalance_replicas`` must be a multiple of the EP degree).
+        rebalance_tolerance: per-rank load allowed above the balanced packing when the co-activation
+            refinement keeps experts chosen together on one node.
     """
 
     dp_degree: int | None = None
@@ -192,6 +204,10 @@ class HybridEPConfig:
     topology: str | None = None
     coactivation_stats: bool = False
     verify_checksums: bool = True
+    rebalance_every: int | None = None
+    rebalance_when_imbalance_over: float | None = None
+    rebalance_replicas: int = 0
+    rebalance_tolerance: float = 0.05
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -292,6 +308,19 @@ class HybridEPConfig:
         capacity = self.expert_cache_capacity
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise HybridEPConfigError(f"expert_cache_capacity={capacity!r} must be a positive integer")
+        every = self.rebalance_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise HybridEPConfigError(f"rebalance_every={every!r} must be a positive integer or None")
+        over = self.rebalance_when_imbalance_over
+        if over is not None and (isinstance(over, bool) or not isinstance(over, int | float) or not over > 1):
+            raise HybridEPConfigError(f"rebalance_when_imbalance_over={over!r} must be a number above 1 (max/mean) "
+                                      "or None")
+        replicas = self.rebalance_replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise HybridEPConfigError(f"rebalance_replicas={replicas!r} must be a non-negative integer")
+        tolerance = self.rebalance_tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance < 0:
+            raise HybridEPConfigError(f"rebalance_tolerance={tolerance!r} must be a non-negative number")
         if self.topology is not None:
             if not isinstance(self.topology, str):
                 raise HybridEPConfigError(f"topology={self.topology!r} must be a spec string such as 'gpus_per_node=8'")
@@ -302,6 +331,11 @@ class HybridEPConfig:
             raise HybridEPConfigError(f"coactivation_stats={self.coactivation_stats!r} must be true or false")
         if not isinstance(self.verify_checksums, bool):
             raise HybridEPConfigError(f"verify_checksums={self.verify_checksums!r} must be true or false")
+
+    @property
+    def rebalancing(self) -> bool:
+        """Whether online rebalancing is on."""
+        return self.rebalance_every is not None or self.rebalance_when_imbalance_over is not None
 
     def selection_controls_on(self) -> bool:
         """Whether any control needs the router's selection rule to be replaced."""

@@ -155,6 +155,7 @@ class ExpertParallelLayer:
         self.layer_names: dict[int, str] = {}
         self.shadows = None  # a shadow.LayerShadows while hot-expert shadowing holds remote experts here
         self.agreement: InputAgreement | None = None  # the model's, attached by parallelize
+        self._dispatcher_args = (dispatcher, alignment, control_width)
         self.dispatcher = make_dispatcher(
             dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type,
             alignment=alignment, control_width=control_width,
@@ -170,6 +171,21 @@ class ExpertParallelLayer:
             setattr(self.module, pname, nn.Parameter(local, requires_grad=full.requires_grad))
         self.module.num_experts = len(self.local_experts)
         self.module.forward = self.forward
+
+    def set_table(self, table: PlacementTable) -> None:
+        """Route by ``table`` from now on (online rebalancing; the expert parameters already hold its
+        slots): local experts, the module's expert count, the dispatcher."""
+        if table.num_experts != self.num_experts or table.ep_degree != self.table.ep_degree:
+            raise HybridEPConfigError(f"{self.name}: a new table must keep {self.num_experts} experts over "
+                                      f"{self.table.ep_degree} EP ranks")
+        name, alignment, control_width = self._dispatcher_args
+        self.table = table
+        self.local_experts = table.local_experts(self.mesh.ep_rank)
+        self.module.num_experts = len(self.local_experts)
+        self.dispatcher = make_dispatcher(
+            name, table, self.mesh.ep_rank, self.mesh.ep_group, self.stats, device_type=self.mesh.device_type,
+            alignment=alignment, control_width=control_width,
+        )
 
     @torch.no_grad()
     def gather_full(self, pname: str) -> torch.Tensor:

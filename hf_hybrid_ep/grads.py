@@ -146,6 +146,14 @@ class GradientReducer:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
+    def replace_parameter(self, old: nn.Parameter, new: nn.Parameter) -> None:
+        """``new`` takes ``old``'s place (online rebalancing changed its slot count): in the parameter order
+        and with the gradient hook. The expert homes and buckets are rebuilt by the caller."""
+        self.order = [new if p is old else p for p in self.order]
+        self.expert_norm_weights = [(new if p is old else p, w) for p, w in self.expert_norm_weights]
+        if new.requires_grad and not is_dtensor(new):
+            self._handles.append(new.register_post_accumulate_grad_hook(self._on_grad_ready))
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()

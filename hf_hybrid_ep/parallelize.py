@@ -18,6 +18,7 @@ from .dispatch.torch_backend import CONTROL_INTS
 from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
 from .grads import ExpertBucket, ExpertHome, GradientReducer
 from .mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor
+from .rebalance import Rebalancer
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .shadow import ShadowManager
 
@@ -32,6 +33,7 @@ class HybridEPState:
     reducer: GradientReducer
     optimizer_steps: int = 0
     shadows: ShadowManager | None = None  # hot-expert shadowing (config.expert_cache)
+    rebalancer: Rebalancer | None = None  # online rebalancing (config.rebalance_*)
     agreement: InputAgreement | None = None  # bad inputs / layer mismatches seen in the counts exchanges
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
@@ -151,8 +153,17 @@ def parallelize(
         _check_same_everywhere(model, tables, mesh)
 
     layers = []
-    # One counts-message width for every layer, so ranks in different layers still exchange equal sizes.
-    control_width = max(t.slots_per_rank for t in tables) + CONTROL_INTS
+    # One counts-message width for every layer, so ranks in different layers still exchange equal sizes
+    # (wide enough for the tables online rebalancing may fit later).
+    slots = max(t.slots_per_rank for t in tables)
+    if config.rebalancing:
+        for name, module in found:
+            if (module.num_experts + config.rebalance_replicas) % ep:
+                raise HybridEPConfigError(
+                    f"rebalancing: {name} has {module.num_experts} experts + rebalance_replicas="
+                    f"{config.rebalance_replicas}, not a multiple of ep_degree={ep} (every rank holds as many slots)")
+            slots = max(slots, (module.num_experts + config.rebalance_replicas) // ep)
+    control_width = slots + CONTROL_INTS
     for (name, module), table in zip(found, tables, strict=True):
         layer = ExpertParallelLayer(
             name, module, table, mesh, config.dispatcher, config.check_finite, config.expert_alignment,
@@ -195,6 +206,8 @@ def parallelize(
         reducer.pre_reduce_hooks.append(shadows.return_gradients)
         reducer.hold_expert_buckets = shadows.returns_pending
         model._hybrid_ep.shadows = shadows
+    if config.rebalancing:
+        model._hybrid_ep.rebalancer = Rebalancer(model)
     _wrap_save_pretrained(model)
     _wrap_generate(model)
     return model
@@ -263,18 +276,25 @@ def _wrap_generate(model: nn.Module) -> None:
     model.generate = generate
 
 
-def routing_step(model: nn.Module) -> None:
+def routing_step(model: nn.Module, optimizer=None) -> None:
     """Call once after every optimizer step (the Trainer integration does): reduces the step's expert
     loads over the world, applies aux-loss-free bias updates and device-load estimates, and feeds the
-    load metrics; with ``expert_cache`` on, decides the next step's shadows from this step's routing
-    counts and fetches their fresh weights (so call it after ``optimizer.step()``). Collective: call on
-    every rank."""
+    load metrics; with online rebalancing on (``rebalance_every`` / ``rebalance_when_imbalance_over``),
+    moves experts and their state of ``optimizer`` (default: the one :func:`hf_hybrid_ep.make_optimizer`
+    built) when a rebalance is due; with ``expert_cache`` on, decides the next step's shadows from this
+    step's routing counts and fetches their fresh weights (so call it after ``optimizer.step()``).
+    Collective: call on every rank."""
     state = state_of(model)
     state.optimizer_steps += 1
+    counts = None
     if state.shadows is not None:
         wait_for_parameters(model)  # the shadows' weights are read from the updated parameters
-        state.shadows.refresh()
-    on_optimizer_step(model, state.config, state.layers, state.mesh, state.optimizer_steps)
+        counts = state.shadows.step_counts()  # before on_optimizer_step resets the step's counters
+    on_optimizer_step(model, state.config, state.layers, state.mesh, state.optimizer_steps, state.rebalancer)
+    if state.rebalancer is not None:
+        state.rebalancer.after_step(state.optimizer_steps, optimizer)
+    if state.shadows is not None:
+        state.shadows.refresh(counts)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -720,3 +720,45 @@ def place_layers(records: Sequence[Mapping], ep_degree: int, replicas: int = 0, 
         list(r) for r in one.rows]
     del result["imbalance_contiguous"], result["imbalance_balanced"]
     return result
+
+
+def align_rows(new: PlacementTable, old: PlacementTable, topology: Topology | str | None = None) -> PlacementTable:
+    """``new`` with its rows permuted so that as many experts as possible stay where ``old`` has them.
+
+    Permutes only what the placement's cost cannot see: ranks inside a node, and whole nodes inside a
+    rack (every rank of a node has the same links). Greedy: the (new row, old rank) pair sharing the
+    most experts first. Used by online rebalancing to move fewer bytes for the same table.
+    """
+    if new.ep_degree != old.ep_degree:
+        raise HybridEPConfigError(f"tables over {new.ep_degree} and {old.ep_degree} EP ranks cannot be aligned")
+    node, rack = _levels(new.ep_degree, topology)
+    rows = [list(r) for r in new.rows]
+
+    def overlap(a: Sequence[int], b: Sequence[int]) -> int:
+        return len(set(a) & set(b))
+
+    def greedy(items: list[int], slots: list[int], score) -> dict[int, int]:
+        pairs = sorted((-score(i, s), i, s) for i in items for s in slots)
+        taken_i, taken_s, out = set(), set(), {}
+        for _, i, s in pairs:
+            if i not in taken_i and s not in taken_s:
+                out[i] = s
+                taken_i.add(i)
+                taken_s.add(s)
+        return out
+
+    nodes = sorted(set(node.tolist()))
+    members = {n: [r for r in range(new.ep_degree) if node[r] == n] for n in nodes}
+    placed: dict[int, list[int]] = {}
+    for q in sorted(set(rack.tolist())):  # nodes within a rack: by the experts their ranks share
+        in_rack = [n for n in nodes if rack[members[n][0]] == q]
+        if len({len(members[n]) for n in in_rack}) > 1:  # unequal nodes: leave them where they are
+            mapping = {n: n for n in in_rack}
+        else:
+            mapping = greedy(in_rack, in_rack, lambda a, b: overlap(
+                [e for r in members[a] for e in rows[r]], [e for r in members[b] for e in old.rows[r]]))
+        for a, b in mapping.items():  # node a's rows go to node b's ranks, then ranks within node b
+            ranks = greedy(members[a], members[b], lambda r, s: overlap(rows[r], old.rows[s]))
+            for r, s in ranks.items():
+                placed[s] = rows[r]
+    return PlacementTable.from_rows(new.num_experts, [placed[r] for r in range(new.ep_degree)])

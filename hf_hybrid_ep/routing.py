@@ -230,6 +230,18 @@ class LayerRouting:
         step[self.num_experts + 2] += entropy.double().sum()
         step[self.num_experts + 3] += entropy.numel()
 
+    def remap(self, owner: list[int], device_load_factors: float | None = None) -> None:
+        """A new primary EP rank per expert (online rebalancing): the device-load estimate is re-derived
+        from all steps' loads under the new owners, and the device factors from it."""
+        self.ep_rank_of_expert = torch.tensor(owner, dtype=torch.long)
+        if self.rank_load is not None:
+            per_rank = torch.zeros(self.ep_degree, dtype=torch.float64)
+            per_rank.scatter_add_(0, self.ep_rank_of_expert, self.total)
+            total = per_rank.sum()
+            self.rank_load = per_rank / total if total > 0 else torch.full_like(per_rank, 1.0 / self.ep_degree)
+            ratio = self.rank_load / self.rank_load.mean()
+            self._device_factor = (-(device_load_factors or 0.0) * (ratio - 1.0))[self.ep_rank_of_expert].float()
+
     def selection_adjust(self, device: torch.device) -> torch.Tensor | None:
         """[E] additive adjustment of selection scores: selection bias and device-load factors."""
         adjust = None
@@ -375,9 +387,10 @@ def apply_capacity(
 # ---------------------------------------------------------------------------------------------- per step
 
 
-def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, mesh, step: int) -> None:
+def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, mesh, step: int,
+                      rebalancer=None) -> None:
     """Once per optimizer step: reduce the step's counters over the world, update selection biases,
-    device-load estimates and the metrics window. Collective: call on every rank."""
+    device-load estimates, the metrics window and the rebalancer's window. Collective: call on every rank."""
     routings = [layer.routing for layer in layers if getattr(layer, "routing", None) is not None]
     if not routings:
         return
@@ -388,11 +401,16 @@ def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, me
     if mesh.world_group is not None:
         dist.all_reduce(stacked, group=mesh.world_group)
     stacked = stacked.cpu()
+    if rebalancer is not None:
+        rebalancer.step_done()
     offset = 0
-    for routing in routings:
+    names = [layer.name for layer in layers if getattr(layer, "routing", None) is not None]
+    for name, routing in zip(names, routings, strict=True):
         n = routing.step.numel()
         totals = stacked[offset : offset + n]
         offset += n
+        if rebalancer is not None:
+            rebalancer.record(name, totals)
         loads = totals[: routing.num_experts]
         routing.window += totals
         routing.total += loads

@@ -108,7 +108,7 @@ class ShadowManager:
         return hook
 
     # ------------------------------------------------------------------ decision
-    def _step_counts(self) -> list[list[float]]:
+    def step_counts(self) -> list[list[float]]:
         """Every layer's pair counts of the last optimizer step, in one host read."""
         width = max(layer.num_experts for layer in self.layers)
         rows = []
@@ -127,7 +127,7 @@ class ShadowManager:
         if routing is None or row_bytes is None:
             return []
         if counts is None:
-            counts = self._step_counts()[index]
+            counts = self.step_counts()[index]
         trained = any(p.requires_grad for p in layer.expert_parameters())
         cost = expert_bytes(layer) * (2 if trained else 1)
         exchanges = EXCHANGES_PER_ROW if trained else 2
@@ -140,10 +140,11 @@ class ShadowManager:
         return layer.table.holders(expert)[0]
 
     @torch.no_grad()
-    def refresh(self) -> None:
+    def refresh(self, counts: list[list[float]] | None = None) -> None:
         """Decide this step's shadows on every rank, agree over the EP group and start fetching the weights.
 
-        Call after ``optimizer.step()`` (``routing_step`` does), before the routing counters are reset.
+        Call after ``optimizer.step()`` (``routing_step`` does), before the routing counters are reset, or
+        with ``counts`` (:meth:`step_counts`, read before they were).
         Collective over the world (each EP group exchanges within itself); the weight exchanges complete
         asynchronously, before the layer's next forward uses them.
         """
@@ -152,7 +153,7 @@ class ShadowManager:
             return
         device = current_device(mesh)
         num_experts = max(layer.num_experts for layer in self.layers)
-        counts = self._step_counts()
+        counts = self.step_counts() if counts is None else counts
         mine = torch.zeros(len(self.layers), num_experts, dtype=torch.int32)
         for i in range(len(self.layers)):
             for e in self.choose(i, counts[i]):

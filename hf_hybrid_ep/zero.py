@@ -329,9 +329,14 @@ def make_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
 
     params = _split_dtensor_groups(list(params))
     kwargs = {**fast_implementation(optimizer_cls, params, **kwargs), **kwargs}
-    if state_of(model).config.optimizer_sharding == "zero1":
-        return shard_optimizer(model, optimizer_cls, params, *args, **kwargs)
-    return optimizer_cls(params, *args, **kwargs)
+    state = state_of(model)
+    if state.config.optimizer_sharding == "zero1":
+        optimizer = shard_optimizer(model, optimizer_cls, params, *args, **kwargs)
+    else:
+        optimizer = optimizer_cls(params, *args, **kwargs)
+    if state.rebalancer is not None:  # online rebalancing moves this optimizer's state with the experts
+        state.rebalancer.optimizer = optimizer
+    return optimizer
 
 
 def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -109,6 +109,9 @@ def train_parity(
     fault: str | None = None,
     bucket_size_mb: float = 8.0,
     overlap_grad_reduce: bool = True,
+    rebalance_every: int | None = None,
+    rebalance_replicas: int = 0,
+    rebalance_over: float | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -118,7 +121,9 @@ def train_parity(
     those experts' router bias in both models. With ``load_from``, the hybrid model is loaded
     rank-locally from that checkpoint of the same weights (``hf_hybrid_ep.from_pretrained``; its
     placement is the one stored in the index). ``fault`` injects one of :data:`faults.FAULTS` into the
-    hybrid run (undone when the case returns), to show that the criterion catches it.
+    hybrid run (undone when the case returns), to show that the criterion catches it. With
+    ``rebalance_every``, experts move online (``routing_step`` after every optimizer step); the tables
+    before and after each rebalance are returned.
     """
     import faults
 
@@ -135,7 +140,8 @@ def train_parity(
                                 expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
                                 expert_cache_capacity=expert_cache_capacity or 1, optimizer_sharding=optimizer_sharding,
                                 dense_sharding=dense_sharding, bucket_size_mb=bucket_size_mb,
-                                overlap_grad_reduce=overlap_grad_reduce)
+                                overlap_grad_reduce=overlap_grad_reduce, rebalance_every=rebalance_every,
+                                rebalance_replicas=rebalance_replicas, rebalance_when_imbalance_over=rebalance_over)
     if load_from is not None:
         model = hep.from_pretrained(load_from, config)
         model.set_attn_implementation(ref.config._attn_implementation)
@@ -154,7 +160,7 @@ def train_parity(
     ref_grads = dict(ref.named_parameters())
     batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
                for step in range(steps)]
-    loss_diffs, norm_diffs, norms, grad_diffs, shadow_steps = [], [], [], [], []
+    loss_diffs, norm_diffs, norms, grad_diffs, shadow_steps, tables = [], [], [], [], [], []
     with faults.injected(fault, model):
         for step in range(steps):
             for micro, batch in enumerate(batches[step]):
@@ -180,13 +186,18 @@ def train_parity(
             if expert_cache_capacity is not None:
                 shadow_steps.append(_shadow_step_counters(model))
                 hep.reset_comm_stats(model)
+            if expert_cache_capacity is not None or rebalance_every is not None or rebalance_over is not None:
+                tables.append(_tables(model))
                 hep.routing_step(model)
     params = dict(model.named_parameters())
     view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
     spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
                                                      view)
     reducer = hep.state_of(model).reducer
+    rebalancer = hep.state_of(model).rebalancer
     return {
+        "tables": [*tables, _tables(model)],  # before each routing_step, and at the end
+        "rebalances": [] if rebalancer is None else [(e.step, e.bytes_sent) for e in rebalancer.events],
         "shadow_steps": shadow_steps,
         "buckets": [(b.kind, b.size, b.numel) for b in reducer.active_buckets()],
         "launched_in_backward": reducer.stats.buckets_launched_in_backward,
@@ -201,6 +212,10 @@ def train_parity(
         "zero_initialised": sorted(measured_names),
         **_compare_params(model, ref, measured_names, spread_of, step_budget=2 * steps * lr),
     }
+
+
+def _tables(model) -> dict[str, list[list[int]]]:
+    return {layer.name: [list(r) for r in layer.table.rows] for layer in hep.state_of(model).layers}
 
 
 def _shadow_step_counters(model) -> dict:
@@ -827,6 +842,31 @@ def save_and_reload_placement(directory: str, placement: list[list[int]] | dict[
     equal = all(torch.equal(p, mine[n]) for n, p in loaded.named_parameters())
     tables = {layer.name: [list(r) for r in layer.table.rows] for layer in hep.state_of(loaded).layers}
     return {"reloaded": next(iter(tables.values())), "reloaded_per_layer": tables, "equal": equal}
+
+
+def rebalance_then_save(directory: str) -> dict:
+    """Train 2 steps with a rebalance after each (replicas: new slot counts), save, reload the checkpoint at
+    EP 1 (every expert on every rank) and compare every tensor with the trained model's full state."""
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=world, rebalance_every=1,
+                                              rebalance_replicas=world))
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    for step in range(2):
+        batch = _global_inputs(ref, world, seed=step)
+        model(**_rank_slice(batch, rank)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        hep.routing_step(model)
+    save_hybrid_checkpoint(model, directory)
+    trained = hep.full_state_dict(model)
+    loaded = hep.from_pretrained(directory, hep.HybridEPConfig(dp_degree=world, ep_degree=1))
+    again = hep.full_state_dict(loaded)
+    return {"tables": _tables(model), "events": len(hep.state_of(model).rebalancer.events),
+            "equal": sorted(trained) == sorted(again) and all(torch.equal(trained[k], again[k]) for k in trained),
+            "loaded_tables": _tables(loaded)}
 
 
 def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:

@@ -84,7 +84,7 @@ class _HybridEPCallback(TrainerCallback):
         self.trainer._agree_overflow()
 
     def on_step_end(self, args, state, control, **kwargs):
-        routing_step(self.trainer.hybrid_model)
+        routing_step(self.trainer.hybrid_model, self.trainer.optimizer)
         if self.verify_sync_steps and state.global_step % self.verify_sync_steps == 0:
             verify_replicas(self.trainer.hybrid_model)
 
