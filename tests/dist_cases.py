@@ -804,9 +804,11 @@ def shared_overlap_equivalence(model_type: str) -> dict:
             "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}
 
 
-def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) -> dict:
-    """The stock Trainer on a skewed GPT-OSS (experts 0 and 2 draw nearly every token), with hot-expert
-    shadowing off or on: the Trainer's step-end callback (routing_step) must refresh the shadows."""
+def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4, rebalance: bool = False,
+                       hot: tuple[int, int] = (0, 2)) -> dict:
+    """The stock Trainer on a skewed GPT-OSS (experts ``hot`` draw nearly every token), with hot-expert
+    shadowing off or on: the Trainer's step-end callback (routing_step) must refresh the shadows (and, with
+    ``rebalance``, move experts after every step, before the shadows are decided)."""
     import trainer_cases as tc
     from datasets import Dataset
 
@@ -815,9 +817,10 @@ def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) 
     torch.manual_seed(0)
     model = build_tiny_model("gpt_oss", num_experts=4)
     model.train()
-    _skew_routers(model, [0, 2], 4.0)
-    config = hep.HybridEPConfig(dp_degree=1, ep_degree=dist.get_world_size(), expert_cache=expert_cache,
-                                expert_cache_capacity=1)
+    _skew_routers(model, list(hot), 4.0)
+    world = dist.get_world_size()
+    config = hep.HybridEPConfig(dp_degree=1, ep_degree=world, expert_cache=expert_cache, expert_cache_capacity=1,
+                                rebalance_every=1 if rebalance else None)
     hep.parallelize(model, config)
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, 100, (64, 32), generator=g).tolist()
@@ -825,8 +828,10 @@ def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4) 
     trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
     trainer.train()
     layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    rebalancer = hep.state_of(model).rebalancer
     return {"losses": tc.losses(trainer), "shadows_held": sum(v["shadow"]["shadows_held"] for v in layers),
-            "rows_local": sum(v["shadow"]["rows_local"] for v in layers)}
+            "rows_local": sum(v["shadow"]["rows_local"] for v in layers),
+            "rebalances": [] if rebalancer is None else [e.step for e in rebalancer.events if e.bytes_sent]}
 
 
 def save_and_reload_placement(directory: str, placement: list[list[int]] | dict[str, list[list[int]]]) -> dict:

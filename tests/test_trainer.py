@@ -93,6 +93,13 @@ def test_trainer_refreshes_hot_expert_shadows(pools, tmp_path):
         # refreshed after each of the 4 optimizer steps (2 layers, capacity 1; the last refresh goes unused)
         assert b["shadows_held"] == 2 * 4 and b["rows_local"] > 0, b
         assert _rel(b["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], b["losses"])
+    # online rebalancing through the Trainer's optimizer (Accelerate's wrapper), shadows decided after each
+    # move; hot experts 0 and 1 share EP rank 0 of the contiguous table, so the first rebalance splits them
+    plain = pool.run(cases.trainer_shadow_run, str(tmp_path / "plain01"), False, hot=(0, 1))
+    moved = pool.run(cases.trainer_shadow_run, str(tmp_path / "moved"), True, rebalance=True, hot=(0, 1))
+    for a, c in zip(plain, moved, strict=True):
+        assert c["rebalances"] and c["shadows_held"] > 0, c
+        assert _rel(c["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], c["losses"])
 
 
 def test_ddp_looks_for_unused_parameters_only_where_some_can_be_unused():
