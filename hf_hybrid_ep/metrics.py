@@ -5,13 +5,20 @@ so every figure here is the same on every rank and does not depend on the layout
 off). Definitions, per layer over the window since the last report:
 
 * ``tokens_per_expert``: routed (token, k) assignments each expert received;
-* ``tokens_per_rank``: the same summed over the experts each EP rank holds (primary replica);
+* ``tokens_per_rank``: the same summed over the experts each EP rank holds (an expert's tokens split
+  evenly over its replicas);
+* ``placement``: the layer's placement table at the report (rows: the experts of each EP rank; with
+  online rebalancing it changes over the run);
 * ``imbalance_expert`` / ``imbalance_rank``: max / mean of those;
 * ``dropped_fraction``: assignments dropped by capacity / all assignments;
 * ``router_entropy``: mean entropy (nats) of the softmax of the router logits per token;
 * ``dead_experts``: experts that received no assignment in the last ``dead_expert_steps`` steps;
 * ``coactivation`` (with ``coactivation_stats``): the symmetric ``E × E`` matrix of tokens that chose
   both experts a and b (kept assignments), zero diagonal.
+
+A record's top-level ``rebalances`` (with online rebalancing) lists the rebalances since the previous
+record: step, reason, per-layer rank imbalance before and after (expected tokens per EP rank on the
+window's loads), this rank's bytes sent and seconds.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ def load_report(model: nn.Module, reset: bool = True) -> dict[str, dict[str, Any
         w = routing.window
         experts = w[:E]
         per_rank = [0.0] * routing.ep_degree
-        for e, r in enumerate(routing.ep_rank_of_expert.tolist()):
-            per_rank[r] += float(experts[e])
+        for e in range(E):
+            holders = layer.table.holders(e)
+            for r in holders:
+                per_rank[r] += float(experts[e]) / len(holders)
         assigned = float(w[E + 1])
         dropped = float(w[E])
         mean_e = float(experts.mean())
@@ -54,7 +63,8 @@ def load_report(model: nn.Module, reset: bool = True) -> dict[str, dict[str, Any
         report[layer.name] = {
             "steps": routing.window_steps,
             "tokens_per_expert": [int(x) for x in experts.tolist()],
-            "tokens_per_rank": [int(x) for x in per_rank],
+            "tokens_per_rank": [round(x, 3) for x in per_rank],
+            "placement": [list(row) for row in layer.table.rows],
             "imbalance_expert": float(experts.max()) / mean_e if mean_e > 0 else 0.0,
             "imbalance_rank": max(per_rank) / mean_r if mean_r > 0 else 0.0,
             "dropped_fraction": dropped / (assigned + dropped) if assigned + dropped > 0 else 0.0,
@@ -83,9 +93,26 @@ def summary_scalars(report: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def append_jsonl(path: str | os.PathLike[str], step: int, report: dict[str, dict[str, Any]]) -> None:
+def rebalance_report(model: nn.Module, reset: bool = True) -> list[dict[str, Any]]:
+    """The online rebalances since the last report (empty without rebalancing)."""
+    rebalancer = state_of(model).rebalancer
+    if rebalancer is None:
+        return []
+    events = rebalancer.events[rebalancer.reported:]
+    if reset:
+        rebalancer.reported = len(rebalancer.events)
+    return [{"step": e.step, "reason": e.reason, "imbalance_before": e.imbalance_before,
+             "imbalance_after": e.imbalance_after, "bytes_sent": e.bytes_sent, "seconds": round(e.seconds, 6),
+             "moved": e.moved} for e in events]
+
+
+def append_jsonl(path: str | os.PathLike[str], step: int, report: dict[str, dict[str, Any]],
+                 rebalances: list[dict[str, Any]] | None = None) -> None:
+    record: dict[str, Any] = {"step": step, "layers": report}
+    if rebalances:
+        record["rebalances"] = rebalances
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "layers": report}) + "\n")
+        f.write(json.dumps(record) + "\n")
 
 
 REPORT_KEYS = ("tokens_per_rank", "imbalance_expert", "imbalance_rank", "dropped_fraction", "dead_experts")
@@ -244,6 +271,9 @@ def write_report(stats: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     fig.savefig(bars, dpi=120)
     plt.close(fig)
 
+    written = [heatmap, bars]
+    written += _placement_plots(records, names, out, plt)
+
     first, last = records[0]["layers"], records[-1]["layers"]
     lines = [f"{len(records)} records, steps {records[0]['step']}–{records[-1]['step']}, {len(names)} MoE layers",
              "layer: imbalance (expert max/mean) first → last; rank max/mean last; dropped last; dead last"]
@@ -251,6 +281,61 @@ def write_report(stats: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
         a, b = first[n], last.get(n, first[n])
         lines.append(f"  {n}: {a['imbalance_expert']:.2f} → {b['imbalance_expert']:.2f}; "
                      f"{b['imbalance_rank']:.2f}; {b['dropped_fraction']:.3f}; {b['dead_experts']}")
+    events = [e for r in records for e in r.get("rebalances", [])]
+    if events:
+        lines.append(f"{len(events)} rebalances ({sum(bool(e.get('moved', True)) for e in events)} moved experts); "
+                     "worst layer's rank imbalance before → after:")
+        for e in events:
+            lines.append(f"  step {e['step']}: {max(e['imbalance_before'].values()):.3f} → "
+                         f"{max(e['imbalance_after'].values()):.3f} ({e['reason']}; {e['bytes_sent']} bytes, "
+                         f"{e['seconds']:.3f} s)")
     summary = out / "summary.txt"
     summary.write_text("\n".join(lines) + "\n")
-    return [heatmap, bars, summary]
+    return [*written, summary]
+
+
+def _placement_plots(records: list[dict[str, Any]], names: list[str], out: Path, plt) -> list[Path]:
+    """With placements in the records: which EP rank holds each expert over the run (one panel per layer,
+    up to 8; an expert on several ranks shows its first); with rebalances: rank imbalance before/after."""
+    written = []
+    placed = [r for r in records if all("placement" in r["layers"].get(n, {}) for n in names)]
+    if placed:
+        shown = names[:8]
+        fig, axes = plt.subplots(1, len(shown), figsize=(3 * len(shown) + 1, 3.5), squeeze=False)
+        for ax, name in zip(axes[0], shown, strict=False):
+            E = len(placed[0]["layers"][name]["tokens_per_expert"])
+            grid = np.full((E, len(placed)), -1.0)
+            for j, r in enumerate(placed):
+                for rank, row in reversed(list(enumerate(r["layers"][name]["placement"]))):
+                    for e in row:
+                        grid[e, j] = rank
+            image = ax.imshow(grid, aspect="auto", cmap="tab10", interpolation="nearest", vmin=0, vmax=9)
+            ax.set_title(name.replace(".mlp.experts", ""), fontsize=8)
+            ax.set_xlabel("record (step)")
+            ax.set_xticks(range(len(placed)), [str(r["step"]) for r in placed], fontsize=6, rotation=90)
+            ax.set_ylabel("expert")
+        fig.colorbar(image, ax=axes[0].tolist(), label="EP rank (first holder)")
+        fig.suptitle("placement over time")
+        path = out / "placement_over_time.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    events = [e for r in records for e in r.get("rebalances", [])]
+    if events:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        steps = [e["step"] for e in events]
+        ax.plot(steps, [max(e["imbalance_before"].values()) for e in events], "o-", color="tab:red",
+                label="worst layer, before")
+        ax.plot(steps, [max(e["imbalance_after"].values()) for e in events], "o-", color="tab:green",
+                label="worst layer, after")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel("optimizer step of the rebalance")
+        ax.set_ylabel("rank imbalance (max/mean)")
+        ax.set_title("online rebalancing")
+        ax.legend()
+        fig.tight_layout()
+        path = out / "rebalance_imbalance.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

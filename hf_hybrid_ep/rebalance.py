@@ -50,6 +50,7 @@ class RebalanceEvent:
     bytes_sent: int  # this rank's payload over all layers (weights + optimizer state)
     imbalance_before: dict[str, float]  # per layer, under the old table, on the window's loads
     imbalance_after: dict[str, float]  # per layer, under the new table, on the same loads
+    moved: bool = False  # whether any layer's table changed
     tables: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
@@ -72,6 +73,7 @@ class Rebalancer:
         self.window: dict[str, torch.Tensor] = {}  # layer -> summed world totals since the last rebalance
         self.window_steps = 0
         self.events: list[RebalanceEvent] = []
+        self.reported = 0  # events already in a load report
         self.optimizer = None  # registered by make_optimizer, or given to routing_step
 
     # ------------------------------------------------------------------ decision
@@ -158,8 +160,9 @@ class Rebalancer:
         tables = self.decide()
         before = self.imbalances()
         after = self.imbalances(tables)
+        moved = any(tables[layer.name] != layer.table for layer in self.state.layers)
         sent = apply_tables(self.model, tables, optimizer if optimizer is not None else self.optimizer)
-        event = RebalanceEvent(step, reason, time.perf_counter() - start, sent, before, after,
+        event = RebalanceEvent(step, reason, time.perf_counter() - start, sent, before, after, moved,
                                {n: [list(r) for r in t.rows] for n, t in tables.items()})
         self.events.append(event)
         self.window, self.window_steps = {}, 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dist_cases as cases
 import trainer_cases as tc
 
+from hf_hybrid_ep.metrics import read_jsonl, write_report
+
 
 def _rel(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
@@ -100,6 +102,17 @@ def test_trainer_refreshes_hot_expert_shadows(pools, tmp_path):
     for a, c in zip(plain, moved, strict=True):
         assert c["rebalances"] and c["shadows_held"] > 0, c
         assert _rel(c["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], c["losses"])
+    # the load report: the placement at every record, and each rebalance's imbalance before and after
+    records = read_jsonl(tmp_path / "moved" / "expert_load.jsonl")
+    layer = "model.layers.0.mlp.experts"
+    assert records[0]["layers"][layer]["placement"] != [[0, 1], [2, 3]]  # the first record follows a move
+    events = [e for r in records for e in r.get("rebalances", [])]
+    assert [e["step"] for e in events] == [1, 2, 3, 4], events
+    first = events[0]
+    assert first["moved"] and first["imbalance_after"][layer] < first["imbalance_before"][layer], first
+    written = {p.name for p in write_report(tmp_path / "moved" / "expert_load.jsonl", tmp_path / "report")}
+    assert {"placement_over_time.png", "rebalance_imbalance.png", "summary.txt"} <= written, written
+    assert "rebalances" in (tmp_path / "report" / "summary.txt").read_text()
 
 
 def test_ddp_looks_for_unused_parameters_only_where_some_can_be_unused():

@@ -40,7 +40,7 @@ from ..experts import find_experts_modules
 from ..freeze import ExpertFreezer
 from ..grads import clip_grad_norm_
 from ..memory import log_memory_report
-from ..metrics import JSONL_NAME, append_jsonl, load_report, summary_scalars
+from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
 from ..parallelize import routing_step, state_of
 from ..zero import reshard_optimizer
 from .accelerator import prepare_accelerator
@@ -145,10 +145,14 @@ class HybridEPTrainer(Trainer):
         ``<output_dir>/expert_load.jsonl`` (rank 0)."""
         if "loss" in logs:
             report = load_report(self.hybrid_model)
+            rebalances = rebalance_report(self.hybrid_model)
             logs.update(summary_scalars(report))
+            if rebalances:
+                logs["moe/rebalances"] = float(sum(e["moved"] for e in rebalances))
             if report and self.args.should_save:
                 os.makedirs(self.args.output_dir, exist_ok=True)
-                append_jsonl(os.path.join(self.args.output_dir, JSONL_NAME), self.state.global_step, report)
+                append_jsonl(os.path.join(self.args.output_dir, JSONL_NAME), self.state.global_step, report,
+                             rebalances)
         super().log(logs, *args, **kwargs)
 
     def _build_accelerator_args(self, **kwargs):
