@@ -9,8 +9,9 @@ rank holds the same numbers. A rebalance runs every ``N`` steps, or when the wor
 imbalance (max/mean of the expected tokens per EP rank under its current table, the window's loads)
 exceeds ``x``. The new tables come from :func:`hf_hybrid_ep.placement.fit_placement` per layer
 (co-activation-aware where the counts exist, else the hierarchical load-balanced packing; topology-
-aware; ``rebalance_replicas`` extra copies of the hottest experts), computed on rank 0 and broadcast,
-so that no floating-point difference between hosts can split the ranks.
+aware; ``rebalance_replicas`` extra copies of the hottest experts), each layer's computed by one rank
+(layers spread over the world) and all-gathered, so that no floating-point difference between hosts
+can split the ranks.
 
 Move. Per layer, one ``all_to_all_single`` over the EP group carries, for every expert a rank newly
 holds, its rows of every expert parameter and of their optimizer state (Adam's moments; with ZeRO-1
@@ -51,6 +52,7 @@ class RebalanceEvent:
     imbalance_before: dict[str, float]  # per layer, under the old table, on the window's loads
     imbalance_after: dict[str, float]  # per layer, under the new table, on the same loads
     moved: bool = False  # whether any layer's table changed
+    fit_seconds: float = 0.0  # of ``seconds``: fitting the tables (layers spread over ranks) and sharing them
     tables: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
@@ -118,37 +120,28 @@ class Rebalancer:
                 return f"worst layer imbalance {worst:.3f} > {threshold}"
         return None
 
-    def _fit(self) -> dict[str, list[list[int]]]:
-        """Per layer, a fitted table aligned to the current one (fewest experts moved), or the current
-        table where the fit does not lower the layer's imbalance on the window's loads."""
-        from .placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
-        from .topology import Topology
-
+    def _fit(self, layers: list) -> dict[str, list[list[int]]]:
         config, mesh = self.config, self.state.mesh
-        topology = Topology.of(config.topology) if config.topology else None
         tables = {}
-        for layer in self.state.layers:
-            loads = self._loads(layer)
+        for layer in layers:
             coact = None
             if layer.routing is not None and layer.routing.coactivation and layer.name in self.window:
                 coact = layer.routing.coactivation_matrix(self.window[layer.name]).double().numpy()
-            stats = RoutingStats(loads + 1e-9, coact, layer.routing.top_k if layer.routing else 1)
-            table, _ = fit_placement(stats, mesh.ep_degree, topology, config.rebalance_replicas,
-                                     config.rebalance_tolerance)
-            table = align_rows(table, layer.table, topology)
-            if loads.sum() > 0 and imbalance(rank_loads(loads, table)) >= imbalance(rank_loads(loads, layer.table)) - 1e-9:
-                table = layer.table  # no better: nothing moves
+            table = refit(self._loads(layer), coact, layer.routing.top_k if layer.routing else 1, layer.table,
+                          mesh.ep_degree, config.topology, config.rebalance_replicas, config.rebalance_tolerance)
             tables[layer.name] = [list(row) for row in table.rows]
         return tables
 
     def decide(self) -> dict[str, PlacementTable]:
-        """New tables, fitted on rank 0 and broadcast to every rank."""
-        mesh = self.state.mesh
-        box = [self._fit() if mesh.rank == 0 else None]
+        """New tables: layer ``i`` fitted by world rank ``i mod W`` (in parallel), then all-gathered, so every
+        rank installs the same tables and no floating-point difference between hosts can split them."""
+        mesh, layers = self.state.mesh, self.state.layers
+        mine = self._fit([layer for i, layer in enumerate(layers) if i % mesh.world_size == mesh.rank])
         if mesh.world_group is not None:
-            dist.broadcast_object_list(box, src=0, group=mesh.world_group)
-        return {layer.name: PlacementTable.from_rows(layer.num_experts, box[0][layer.name])
-                for layer in self.state.layers}
+            gathered: list = [None] * mesh.world_size
+            dist.all_gather_object(gathered, mine, group=mesh.world_group)
+            mine = {name: rows for part in gathered for name, rows in part.items()}
+        return {layer.name: PlacementTable.from_rows(layer.num_experts, mine[layer.name]) for layer in layers}
 
     # ------------------------------------------------------------------ after a step
     def after_step(self, step: int, optimizer=None) -> RebalanceEvent | None:
@@ -158,17 +151,36 @@ class Rebalancer:
             return None
         start = time.perf_counter()
         tables = self.decide()
+        fitted = time.perf_counter() - start
         before = self.imbalances()
         after = self.imbalances(tables)
         moved = any(tables[layer.name] != layer.table for layer in self.state.layers)
         sent = apply_tables(self.model, tables, optimizer if optimizer is not None else self.optimizer)
-        event = RebalanceEvent(step, reason, time.perf_counter() - start, sent, before, after, moved,
+        event = RebalanceEvent(step, reason, time.perf_counter() - start, sent, before, after, moved, fitted,
                                {n: [list(r) for r in t.rows] for n, t in tables.items()})
         self.events.append(event)
         self.window, self.window_steps = {}, 0
         logger.info("rebalanced after step %d (%s): worst layer imbalance %.3f -> %.3f, %d bytes sent, %.3f s",
                     step, reason, max(before.values()), max(after.values()), sent, event.seconds)
         return event
+
+
+def refit(loads: np.ndarray, coactivation: np.ndarray | None, top_k: int, current: PlacementTable, ep_degree: int,
+          topology=None, replicas: int = 0, tolerance: float = 0.05) -> PlacementTable:
+    """The table a rebalance puts in place of ``current`` for one layer with these window statistics
+    (``loads [E]``, ``coactivation [E, E]`` or ``None``): fitted by :func:`~hf_hybrid_ep.placement.fit_placement`,
+    aligned to ``current`` (fewest experts moved), or ``current`` itself where the fit does not lower the
+    layer's rank imbalance on ``loads``."""
+    from .placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
+    from .topology import Topology
+
+    topology = Topology.of(topology) if topology else None
+    stats = RoutingStats(np.asarray(loads, dtype=float) + 1e-9, coactivation, top_k)
+    table, _ = fit_placement(stats, ep_degree, topology, replicas, tolerance)
+    table = align_rows(table, current, topology)
+    if np.sum(loads) > 0 and imbalance(rank_loads(loads, table)) >= imbalance(rank_loads(loads, current)) - 1e-9:
+        return current  # no better: nothing moves
+    return table
 
 
 # ---------------------------------------------------------------------------------------------- the move

@@ -85,3 +85,39 @@ def test_rebalance_settings_are_checked():
         with pytest.raises(hep.HybridEPConfigError, match=match):
             hep.HybridEPConfig(**bad)
     assert hep.HybridEPConfig(rebalance_every=5).rebalancing and not hep.HybridEPConfig().rebalancing
+
+
+def _bench_rebalance():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rebalance.py"
+    spec = importlib.util.spec_from_file_location("bench_rebalance", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_rebalance"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_replay_follows_drifting_routing():
+    """``bench_rebalance.replay`` on traces whose hot experts change halfway: tables fitted on the first half go
+    stale, online rebalancing (the library's own refit) follows; contiguous is the reference of the traffic."""
+    import numpy as np
+
+    bench = _bench_rebalance()
+    rng = np.random.default_rng(0)
+
+    def step(hot):
+        first = rng.choice(hot, size=(256, 1))
+        second = rng.integers(0, 16, size=(256, 1))
+        second = np.where(second == first, (second + 1) % 16, second)
+        return np.concatenate([first, second], axis=1)
+
+    traces = {"model.layers.0.mlp.experts": [step([0, 1, 2, 3] if s < 10 else [12, 13, 14, 15]) for s in range(20)]}
+    out = bench.replay(traces, 16, 2, every=2, ep=8, topology=bench.SIM_TOPOLOGY, replicas=8)
+    assert set(out) == {"contiguous", "one static table", "static per layer", "online"}
+    online, static = out["online"], out["static per layer"]
+    assert online["second_half_worst_imbalance_mean"] < static["second_half_worst_imbalance_mean"], out
+    assert online["second_half_worst_imbalance_mean"] < out["contiguous"]["second_half_worst_imbalance_mean"]
+    assert out["contiguous"]["cross_node_vs_contiguous"] == 1.0
