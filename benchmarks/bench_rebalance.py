@@ -16,8 +16,10 @@
    expert's tokens split over its replicas) and the node-deduplicated cross-node sends per token
    (:func:`hf_hybrid_ep.placement.trace_traffic`), for contiguous / one static table / a static table
    per layer (both fitted on the first half of the run) / online (re-fitted every ``--every`` steps on
-   the steps since the last rebalance, by the library's own :func:`hf_hybrid_ep.rebalance.refit`).
-   Figures are over the second half of the run.
+   the steps since the last rebalance, by the library's own :func:`hf_hybrid_ep.rebalance.refit`), and
+   an in-sample floor (a balance-only table fitted on each step's own loads: what no placement decided
+   before the step can beat; it measures the sampling noise of one step's tokens). Figures are over
+   the second half of the run.
 3. **Cost**: rebalance seconds / online wall time, and the break-even interval: the steps after which
    the expert compute saved by the lower imbalance (the experts' share of a step's FLOPs × the relative
    drop of the slowest rank's load) repays one rebalance.
@@ -172,7 +174,7 @@ def _per_step(traces: dict[str, list[np.ndarray]], tables_at, num_experts: int, 
 def replay(traces: dict[str, list[np.ndarray]], num_experts: int, top_k: int, every: int, ep: int,
            topology: str, replicas: int, tolerance: float = 0.05) -> dict[str, dict]:
     from hf_hybrid_ep.dispatch import PlacementTable
-    from hf_hybrid_ep.placement import fit_placement
+    from hf_hybrid_ep.placement import fit_placement, hierarchical_placement
     from hf_hybrid_ep.rebalance import refit
 
     names = list(traces)
@@ -196,11 +198,15 @@ def replay(traces: dict[str, list[np.ndarray]], num_experts: int, top_k: int, ev
                 current[name] = refit(st.loads, st.coactivation, top_k, current[name], ep, topology, replicas,
                                       tolerance)
             since = s + 1
+    # the floor of per-step imbalance: a balance-only table fitted on that very step (in-sample, unattainable)
+    oracle = {name: [hierarchical_placement(np.bincount(p[p >= 0], minlength=num_experts) + 1e-9, ep, topology,
+                                            replicas) for p in traces[name]] for name in names}
     methods = {
         "contiguous": lambda name, s: contiguous,
         "one static table": lambda name, s: one,
         "static per layer": lambda name, s: per_layer[name],
         "online": lambda name, s: online[name][s],
+        "in-sample floor": lambda name, s: oracle[name][s],
     }
     out = {}
     for label, at in methods.items():

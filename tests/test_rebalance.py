@@ -116,7 +116,8 @@ def test_the_benchmark_replay_follows_drifting_routing():
 
     traces = {"model.layers.0.mlp.experts": [step([0, 1, 2, 3] if s < 10 else [12, 13, 14, 15]) for s in range(20)]}
     out = bench.replay(traces, 16, 2, every=2, ep=8, topology=bench.SIM_TOPOLOGY, replicas=8)
-    assert set(out) == {"contiguous", "one static table", "static per layer", "online"}
+    assert set(out) == {"contiguous", "one static table", "static per layer", "online", "in-sample floor"}
+    assert out["in-sample floor"]["second_half_worst_imbalance_mean"] <= out["online"]["second_half_worst_imbalance_mean"]
     online, static = out["online"], out["static per layer"]
     assert online["second_half_worst_imbalance_mean"] < static["second_half_worst_imbalance_mean"], out
     assert online["second_half_worst_imbalance_mean"] < out["contiguous"]["second_half_worst_imbalance_mean"]
