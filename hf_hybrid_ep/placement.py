@@ -520,8 +520,17 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
     bound = max(max(rank_loads(loads, start)), (1 + tolerance) * mean_rank) * (1 + 1e-12)
     slots = len(start.rows[0])
 
+    packed_cache: dict[tuple[int, ...], tuple[float, list[list[int]]] | None] = {}
+
     def pack_node(members: np.ndarray) -> tuple[float, list[list[int]]] | None:
-        """The node's copies packed onto its g ranks: (peak rank load, rows), or None if infeasible."""
+        """The node's copies packed onto its g ranks: (peak rank load, rows), or None if infeasible
+        (memoized: the search asks for the same member sets again and again)."""
+        key = tuple(int(i) for i in members)
+        if key not in packed_cache:
+            packed_cache[key] = _pack_node(members)
+        return packed_cache[key]
+
+    def _pack_node(members: np.ndarray) -> tuple[float, list[list[int]]] | None:
         items = [(float(item_load[i]), int(expert[i])) for i in members]
         best = None
         for order in ("load", "copies"):
