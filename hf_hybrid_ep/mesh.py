@@ -74,13 +74,15 @@ class HybridMesh:
         """A process group over ``ranks`` (sorted global ranks); ``None`` when it is this rank alone.
 
         Every rank must ask for the same groups in the same order (group creation is a world
-        collective); :func:`hf_hybrid_ep.parallelize` does so from the placement table.
+        collective); :func:`hf_hybrid_ep.parallelize` and online rebalancing do so from the placement
+        tables. Whether a new group is created depends only on ``ranks`` (never on this rank), so that
+        every rank makes the same ``new_group`` calls; for a set this rank is not in, the result is not
+        a group to use.
         """
         if len(ranks) == 1:
             return None
-        edp = tuple(self.global_rank(d, self.ep_rank) for d in range(self.dp_degree))
-        if ranks == edp:
-            return self.edp_group
+        if all(r % self.ep_degree == ranks[0] % self.ep_degree for r in ranks) and len(ranks) == self.dp_degree:
+            return self.edp_group if self.rank in ranks else None  # an EDP group: built with the mesh
         if len(ranks) == self.world_size:
             return self.reduction_group
         key = (id(dist.group.WORLD), *ranks)

@@ -874,6 +874,26 @@ def rebalance_then_save(directory: str) -> dict:
             "loaded_tables": _tables(loaded)}
 
 
+def group_creation_calls(dp: int, ep: int, sets: list[tuple[int, ...]]) -> list[list[int]]:
+    """The ``new_group`` calls this rank makes when asked for ``sets`` (every rank must make the same)."""
+    from unittest import mock
+
+    from hf_hybrid_ep.mesh import build_mesh
+
+    mesh = build_mesh(dp, ep)
+    calls = []
+    real = dist.new_group
+
+    def recording(ranks, *args, **kwargs):
+        calls.append(list(ranks))
+        return real(ranks, *args, **kwargs)
+
+    with mock.patch.object(dist, "new_group", recording):
+        for ranks in sets:
+            mesh.group_of(tuple(ranks))
+    return calls
+
+
 def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:
     """Parallelize with a topology; report the layout and this rank's EP group."""
     model, _ = _build("qwen3_moe", 4)

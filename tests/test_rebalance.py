@@ -66,6 +66,17 @@ def test_saves_after_a_rebalance_write_the_current_tables_and_resume_at_another_
         assert all(rows == [[0, 1, 2, 3]] for rows in r["loaded_tables"].values())  # EP 1: contiguous
 
 
+def test_every_rank_creates_the_same_process_groups(pools):
+    """Holder sets of replicas: whether a set needs a new group must not depend on the asking rank (an EDP
+    group is one rank's own and another's foreign; a rank-dependent shortcut made ranks call ``new_group``
+    a different number of times, and the world hung at the first rebalance with replicas)."""
+    sets = [(0, 2), (1, 3), (0, 1, 2), (0, 2), (1, 2, 3), (0, 1, 2, 3), (2,), (0, 1, 2)]
+    calls = pools(4).run(cases.group_creation_calls, 2, 2, sets)
+    assert all(c == calls[0] for c in calls), calls
+    # EDP groups, the world and singletons need none; each other set at most once (the pool may hold it already)
+    assert calls[0] in ([[0, 1, 2], [1, 2, 3]], [[0, 1, 2]], [[1, 2, 3]], []), calls[0]
+
+
 def test_align_rows_moves_fewest_experts_and_respects_nodes():
     old = PlacementTable.from_rows(8, [[0, 1], [2, 3], [4, 5], [6, 7]])
     fitted = PlacementTable.from_rows(8, [[6, 7], [4, 5], [2, 3], [0, 1]])  # the same table, ranks relabelled
