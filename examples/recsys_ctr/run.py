@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--plot", default=None, help="AUC vs training samples (PNG)")
     parser.add_argument("--seeds", type=int, default=None, help="default: 5 (full), 2 (--quick), 1 (--smoke)")
-    parser.add_argument("--jobs", type=int, default=2, help="single-process trainings at a time")
+    parser.add_argument("--jobs", type=int, default=2, help="trainings at a time (a torchrun MoE run counts as one)")
     parser.add_argument("--moe-layout", default="1x1", help="DPxEP for the MoE model (1x1: one process)")
     parser.add_argument("--no-deployment", action="store_true", help="skip the 8-process deployment run")
     parser.add_argument("--lr-sweep", default=None, metavar="LR,LR,...",
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     # the parallel jobs finish together
     cost = {"dense_total": 0, "moe": 1, "dense_active": 2}
     jobs = sorted(((kind, seed) for seed in range(args.seeds) for kind in KINDS), key=lambda j: (cost[j[0]], j[1]))
-    with ThreadPoolExecutor(1 if dp * ep > 1 else args.jobs) as pool:
+    with ThreadPoolExecutor(args.jobs) as pool:  # a torchrun MoE job counts as one (its ranks share the cores)
         done = dict(zip(jobs, pool.map(lambda j: train(*j), jobs), strict=True))
     results = {kind: [done[(kind, s)] for s in range(args.seeds)] for kind in KINDS}
     train_s = time.perf_counter() - started
