@@ -133,3 +133,20 @@ def test_the_benchmark_replay_follows_drifting_routing():
     assert online["second_half_worst_imbalance_mean"] < static["second_half_worst_imbalance_mean"], out
     assert online["second_half_worst_imbalance_mean"] < out["contiguous"]["second_half_worst_imbalance_mean"]
     assert out["contiguous"]["cross_node_vs_contiguous"] == 1.0
+
+
+def test_device_load_accounting_follows_the_new_owners():
+    """After a move the per-rank load estimate is re-derived from all steps' loads under the new primary
+    holders, and the device factors from it (so device-load-aware selection penalises the right ranks)."""
+    import torch
+
+    from hf_hybrid_ep.routing import LayerRouting
+
+    routing = LayerRouting(4, torch.tensor([0, 0, 1, 1]), 2)
+    routing.rank_load = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    routing.total = torch.tensor([60.0, 20.0, 10.0, 10.0], dtype=torch.float64)
+    routing.remap([0, 1, 1, 0], device_load_factors=0.5)  # experts 0 and 3 on rank 0: 70 of 100
+    assert routing.ep_rank_of_expert.tolist() == [0, 1, 1, 0]
+    assert routing.rank_load.tolist() == pytest.approx([0.7, 0.3])
+    # factor = −β (load_r / mean − 1) of each expert's rank: rank 0 at 1.4× the mean, rank 1 at 0.6×
+    assert routing._device_factor.tolist() == pytest.approx([-0.2, 0.2, 0.2, -0.2])
