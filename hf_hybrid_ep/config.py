@@ -270,7 +270,7 @@ class HybridEPConfig:
                                               "qualified name (a string)")
                 if not (isinstance(rows, str) and rows in PLACEMENTS):
                     _check_rows(rows, f"placement table of layer {layer!r}")
-            _placement_rows(self.placement)
+            placement_row_count(self.placement)
         elif isinstance(self.placement, Sequence):
             _check_rows(self.placement, "placement table")
         else:
@@ -361,7 +361,7 @@ class HybridEPConfig:
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         dp, ep = self.dp_degree, self.ep_degree
-        rows = _placement_rows(self.placement)
+        rows = placement_row_count(self.placement)
         if dp is None and ep is None:
             if rows is not None:
                 ep = rows
@@ -405,7 +405,7 @@ def _check_rows(rows: object, what: str) -> None:
         raise HybridEPConfigError(f"{what} {rows!r} must be a list of lists of integer expert ids")
 
 
-def _placement_rows(placement: object) -> int | None:
+def placement_row_count(placement: object) -> int | None:
     """Rows (EP ranks) an explicit placement fixes; ``None`` for a named one. A per-layer mapping's
     tables must agree (a layer it maps to ``"contiguous"`` takes any EP degree)."""
     if isinstance(placement, str):

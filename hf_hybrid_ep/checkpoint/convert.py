@@ -285,7 +285,7 @@ def convert_into(
 def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degree: int | None,
                       experts: ModelExperts) -> dict[str, PlacementTable]:
     """One table per MoE layer (experts module name → table) from a placement spec, or contiguous."""
-    from ..config import HybridEPConfigError, _placement_rows
+    from ..config import HybridEPConfigError, placement_row_count
 
     layers = [(name, m.num_experts) for name, m in find_experts_modules(experts.model)]
     if isinstance(placement, PlacementTable):
@@ -295,7 +295,7 @@ def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degre
             raise CheckpointError("give an EP degree or a placement table to lay the experts out for")
         placement = "contiguous"
     try:
-        rows = _placement_rows(placement)
+        rows = placement_row_count(placement)
     except HybridEPConfigError as err:
         raise CheckpointError(str(err)) from err
     if ep_degree is not None and rows is not None and ep_degree != rows:
