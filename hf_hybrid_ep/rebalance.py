@@ -57,8 +57,9 @@ class RebalanceEvent:
 
 
 def unwrap_optimizer(optimizer):
-    """The torch optimizer inside wrappers such as Accelerate's ``AcceleratedOptimizer``."""
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+    """The torch optimizer inside wrappers such as Accelerate's ``AcceleratedOptimizer`` (itself an
+    ``Optimizer`` subclass that delegates to ``.optimizer``)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
 

@@ -569,14 +569,16 @@ def load_with_a_missing_file(ckpt: str, bad_rank: int) -> dict:
 
 def trainer_run(
     dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
-    resume_from: str | None = None, verify_sync_steps: int = 0, optimizer_sharding: str = "none", **extra_args,
+    resume_from: str | None = None, verify_sync_steps: int = 0, optimizer_sharding: str = "none",
+    rebalance_every: int | None = None, rebalance_replicas: int = 0, **extra_args,
 ) -> dict:
     """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
     import trainer_cases as tc
 
     from hf_hybrid_ep.integrations import HybridEPTrainer
 
-    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding)
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding,
+                                rebalance_every=rebalance_every, rebalance_replicas=rebalance_replicas)
     model = hep.parallelize(tc.model(), config)
     args = tc.arguments(output_dir, 2, max_steps, save_steps, **extra_args)
     trainer = HybridEPTrainer(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dist_cases as cases
+import pytest
 import trainer_cases as tc
 
 from hf_hybrid_ep.metrics import read_jsonl, write_report
@@ -35,6 +36,25 @@ def test_resume_at_the_same_or_another_ep_degree(pools, tmp_path):
     for dp, ep in [(2, 2), (4, 1), (1, 4)]:
         resumed = pool.run(cases.trainer_run, dp, ep, str(tmp_path / f"resume-{ep}"), 6, None, str(checkpoint))
         for r in resumed:
+            assert _rel(r["losses"][-3:], full[-3:]) <= cases.REL_TOL, (ep, r["losses"], full)
+
+
+@pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
+def test_a_checkpoint_saved_after_rebalances_resumes_at_another_ep_degree(pools, tmp_path, optimizer_sharding):
+    """Rebalances with replicas after every step; the step-3 checkpoint holds the tables and the optimizer
+    state of that layout; resumed (without rebalancing) at dp 2 × ep 2 and dp 4 × ep 1, the last steps equal
+    the run that went on rebalancing."""
+    pool = pools(4)
+    run = tmp_path / "run"
+    full = pool.run(cases.trainer_run, 2, 2, str(run), 6, 3, optimizer_sharding=optimizer_sharding,
+                    rebalance_every=1, rebalance_replicas=2)[0]["losses"]
+    from hf_hybrid_ep.checkpoint import read_index
+
+    meta = read_index(run / "checkpoint-3").hybrid_ep
+    assert meta.placement != [[0, 1], [2, 3]] and len(meta.layer_rows("model.layers.0.mlp.experts")[0]) == 3
+    for dp, ep in [(2, 2), (4, 1)]:
+        for r in pool.run(cases.trainer_run, dp, ep, str(tmp_path / f"resume-{ep}"), 6, None, str(run / "checkpoint-3"),
+                          optimizer_sharding=optimizer_sharding):
             assert _rel(r["losses"][-3:], full[-3:]) <= cases.REL_TOL, (ep, r["losses"], full)
 
 
