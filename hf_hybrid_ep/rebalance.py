@@ -359,7 +359,10 @@ def _relayout_reducer(model: nn.Module) -> None:
 def _reseat_sharded_optimizer(optimizer, sharding, old_state: dict, moved: dict, scalars: dict) -> None:
     """Point a ZeRO-1 optimizer's groups at the new sharding's views and load every parameter's state."""
     optimizer.hybrid_sharding = sharding
+    kept = {p: optimizer.state[p] for p in optimizer.hybrid_model_params  # outside the buckets (FSDP2 weights)
+            if sharding.views_of(p) is None and p in optimizer.state}
     optimizer.state.clear()
+    optimizer.state.update(kept)
     for group, params in zip(optimizer.param_groups, optimizer.hybrid_param_groups, strict=True):
         views: list[torch.Tensor] = []
         for p in params:

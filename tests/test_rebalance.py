@@ -37,6 +37,17 @@ def test_training_with_rebalances_is_faithful(pools, dp, ep, optimizer_sharding)
             assert any(sent > 0 for _, sent in r["rebalances"]), (family, rank)  # experts moved
 
 
+@pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
+def test_rebalances_with_fsdp2_dense_weights_are_faithful(pools, optimizer_sharding):
+    """Dense weights FSDP2-sharded: their optimizer state lives outside the flat buckets and must survive the
+    ZeRO-1 re-sharding of a rebalance (it was wiped once)."""
+    for family in ("mixtral", "deepseek_v3"):
+        for r in pools(4).run(cases.train_parity, family, 2, 2, 4, rebalance_every=1, rebalance_replicas=2,
+                              dense_sharding="fsdp", optimizer_sharding=optimizer_sharding):
+            _assert_faithful(r)
+            assert r["tables"][1] != r["tables"][0], (family, r["tables"])
+
+
 def test_a_rebalance_without_replicas_keeps_the_parameters(pools):
     """Equal slot counts: the same Parameter objects get the moved rows (the optimizer is untouched)."""
     for r in pools(2).run(cases.train_parity, "mixtral", 1, 2, 4, rebalance_every=1):
