@@ -27,6 +27,7 @@ them); hot-expert shadows are decided after the move (they expire every step any
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -97,14 +98,15 @@ class Rebalancer:
         return totals[: layer.num_experts].double().numpy()
 
     def imbalances(self, tables: dict[str, PlacementTable] | None = None) -> dict[str, float]:
-        """Per layer: max/mean expected tokens per EP rank on the window's loads (1.0 with no load)."""
-        from .placement import imbalance, rank_loads
-
+        """Per layer: max/mean expected tokens per EP rank on the window's loads (1.0 with no load).
+        Vectorised (``rebalance_when_imbalance_over`` asks after every step)."""
         out = {}
         for layer in self.state.layers:
             table = layer.table if tables is None else tables[layer.name]
             loads = self._loads(layer)
-            out[layer.name] = imbalance(rank_loads(loads, table)) if loads.sum() > 0 else 1.0
+            per_rank = loads @ _replica_shares(table)
+            mean = per_rank.mean()
+            out[layer.name] = float(per_rank.max() / mean) if mean > 0 else 1.0
         return out
 
     def due(self, step: int) -> str | None:
@@ -164,6 +166,16 @@ class Rebalancer:
         logger.info("rebalanced after step %d (%s): worst layer imbalance %.3f -> %.3f, %d bytes sent, %.3f s",
                     step, reason, max(before.values()), max(after.values()), sent, event.seconds)
         return event
+
+
+@functools.lru_cache(maxsize=1024)
+def _replica_shares(table: PlacementTable) -> np.ndarray:
+    """``[E, ep]``: the share of expert e's tokens EP rank r receives (1 / replicas on each holder)."""
+    shares = np.zeros((table.num_experts, table.ep_degree))
+    for r, row in enumerate(table.rows):
+        for e in row:
+            shares[e, r] = 1.0
+    return shares / shares.sum(axis=1, keepdims=True)
 
 
 def refit(loads: np.ndarray, coactivation: np.ndarray | None, top_k: int, current: PlacementTable, ep_degree: int,
