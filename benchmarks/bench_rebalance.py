@@ -76,7 +76,8 @@ def worker(args: argparse.Namespace) -> None:
         online = mode == "online"
         config = hep.HybridEPConfig(dp_degree=1, ep_degree=world, topology=REAL_TOPOLOGY,
                                     rebalance_every=args.every if online else None,
-                                    rebalance_replicas=world if online else 0, coactivation_stats=True)
+                                    rebalance_replicas=world if online else 0,
+                                    coactivation_stats=not args.balance_only)
         hep.parallelize(model, config)
         opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=3e-3)
         traces: dict[str, list] = {}
@@ -145,10 +146,13 @@ def _load_traces(path: Path) -> dict[str, list[np.ndarray]]:
     return {name: [parts[s] for s in sorted(parts)] for name, parts in out.items()}
 
 
-def _stats(indices: list[np.ndarray], num_experts: int):
+def _stats(indices: list[np.ndarray], num_experts: int, balance_only: bool = False):
     from hf_hybrid_ep.placement import RoutingStats
 
-    return RoutingStats.from_indices(indices, num_experts)
+    stats = RoutingStats.from_indices(indices, num_experts)
+    if balance_only:  # what the library fits without co-activation statistics
+        stats.coactivation = None
+    return stats
 
 
 def _per_step(traces: dict[str, list[np.ndarray]], tables_at, num_experts: int, topology: str) -> dict:
@@ -172,7 +176,7 @@ def _per_step(traces: dict[str, list[np.ndarray]], tables_at, num_experts: int, 
 
 
 def replay(traces: dict[str, list[np.ndarray]], num_experts: int, top_k: int, every: int, ep: int,
-           topology: str, replicas: int, tolerance: float = 0.05) -> dict[str, dict]:
+           topology: str, replicas: int, tolerance: float = 0.05, balance_only: bool = False) -> dict[str, dict]:
     from hf_hybrid_ep.dispatch import PlacementTable
     from hf_hybrid_ep.placement import fit_placement, hierarchical_placement
     from hf_hybrid_ep.rebalance import refit
@@ -181,9 +185,10 @@ def replay(traces: dict[str, list[np.ndarray]], num_experts: int, top_k: int, ev
     steps = len(traces[names[0]])
     half = steps // 2
     contiguous = PlacementTable.contiguous(num_experts, ep)
-    summed = _stats([p for name in names for p in traces[name][:half]], num_experts)
+    summed = _stats([p for name in names for p in traces[name][:half]], num_experts, balance_only)
     one, _ = fit_placement(summed, ep, topology, replicas, tolerance)
-    per_layer = {name: fit_placement(_stats(traces[name][:half], num_experts), ep, topology, replicas, tolerance)[0]
+    per_layer = {name: fit_placement(_stats(traces[name][:half], num_experts, balance_only), ep, topology, replicas,
+                                     tolerance)[0]
                  for name in names}
     online: dict[str, list] = {name: [] for name in names}  # the table in force at each step
     current = {name: contiguous for name in names}
@@ -194,7 +199,7 @@ def replay(traces: dict[str, list[np.ndarray]], num_experts: int, top_k: int, ev
         if (s + 1) % every == 0:  # after step s + 1, on the steps since the last rebalance
             for name in names:
                 window = traces[name][since : s + 1]
-                st = _stats(window, num_experts)
+                st = _stats(window, num_experts, balance_only)
                 current[name] = refit(st.loads, st.coactivation, top_k, current[name], ep, topology, replicas,
                                       tolerance)
             since = s + 1
@@ -239,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--every", type=int, default=10, help="rebalance every this many optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences of 64 tokens per rank and step")
+    parser.add_argument("--balance-only", action="store_true", help="no co-activation statistics: the fits are "
+                        "the hierarchical load-balanced packing alone (cheaper; not traffic-aware)")
     parser.add_argument("--json", type=Path, required=False)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
@@ -259,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     np.savez(work / "data.npz", blocks=blocks)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), __file__,
            "--worker", "--model", args.model, "--steps", str(args.steps), "--every", str(args.every),
-           "--batch", str(args.batch), "--data", str(work / "data.npz"), "--out", str(work)]
+           "--batch", str(args.batch), "--data", str(work / "data.npz"), "--out", str(work),
+           *(["--balance-only"] if args.balance_only else [])]
     started = time.time()
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     real = json.loads((work / "real.json").read_text())
@@ -285,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rebalance = rebalance_s / max(1, len(events))
     result = {
         "model": args.model, "steps": args.steps, "every": args.every, "world": WORLD,
+        "balance_only": args.balance_only,
         "experts": E, "top_k": k, "layers": config.num_hidden_layers,
         "real": {
             "losses_max_rel_diff": losses_rel,
@@ -303,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "break_even_steps": per_rebalance / saved_per_step if saved_per_step > 0 else None,
             "events": events,
         },
-        "replay_ep8": replay(traces, E, k, args.every, 8, SIM_TOPOLOGY, 8),
+        "replay_ep8": replay(traces, E, k, args.every, 8, SIM_TOPOLOGY, 8, balance_only=args.balance_only),
         "wall_s": time.time() - started,
     }
     _print(result)
