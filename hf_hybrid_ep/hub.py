@@ -30,9 +30,11 @@ def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
     if meta.per_layer:
         placement_summary = f"one table per MoE layer ({len(meta.placement)} layers; see the index's metadata)"
     else:
-        shared, per_rank = meta.placement, len(meta.placement[0])
-        placement_summary = f"contiguous, {per_rank} experts per EP rank" if shared == [
-            list(range(r * per_rank, (r + 1) * per_rank)) for r in range(meta.ep_degree)] else str(shared)
+        from .dispatch import PlacementTable
+
+        contiguous = PlacementTable.from_rows(meta.num_experts, meta.placement).is_contiguous()
+        placement_summary = (f"contiguous, {len(meta.placement[0])} experts per EP rank" if contiguous
+                             else str(meta.placement))
     return ModelCard.from_template(
         data,
         template_path=str(TEMPLATE),

@@ -35,6 +35,7 @@ from torch import nn
 
 from .config import HybridEPConfigError
 from .parallelize import state_of
+from .placement import rank_loads
 
 JSONL_NAME = "expert_load.jsonl"
 
@@ -50,11 +51,7 @@ def load_report(model: nn.Module, reset: bool = True) -> dict[str, dict[str, Any
         E = routing.num_experts
         w = routing.window
         experts = w[:E]
-        per_rank = [0.0] * routing.ep_degree
-        for e in range(E):
-            holders = layer.table.holders(e)
-            for r in holders:
-                per_rank[r] += float(experts[e]) / len(holders)
+        per_rank = rank_loads(experts.tolist(), layer.table)
         assigned = float(w[E + 1])
         dropped = float(w[E])
         mean_e = float(experts.mean())

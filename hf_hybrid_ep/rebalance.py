@@ -387,14 +387,3 @@ def _reseat_sharded_optimizer(optimizer, sharding, old_state: dict, moved: dict,
         values = moved.get(id(p)) or {k: v.view(p.shape) for k, v in old_state.get(id(p), {}).items()}
         if values:
             sharding.load_full_state(optimizer, p, values, scalars.get(id(p), {}))
-
-
-def expected_rank_load(loads: torch.Tensor, table: PlacementTable) -> torch.Tensor:
-    """``[ep]`` fraction of the assignments each EP rank receives under ``table`` (replicas split evenly)."""
-    per_rank = torch.zeros(table.ep_degree, dtype=torch.float64)
-    for e in range(table.num_experts):
-        holders = table.holders(e)
-        for r in holders:
-            per_rank[r] += float(loads[e]) / len(holders)
-    total = per_rank.sum()
-    return per_rank / total if total > 0 else torch.full((table.ep_degree,), 1.0 / table.ep_degree, dtype=torch.float64)

@@ -239,12 +239,6 @@ def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | dict
     return [list(map(int, row)) for row in placement]
 
 
-def _is_contiguous(rows: list[list[int]]) -> bool:
-    E = max(e for row in rows for e in row) + 1
-    return E % len(rows) == 0 and rows == [list(range(r * E // len(rows), (r + 1) * E // len(rows)))
-                                           for r in range(len(rows))]
-
-
 def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[str]) -> HybridEPConfig:
     """``config`` with the checkpoint's placement (one table or per layer) when it names none and the EP
     degree fits."""
@@ -256,7 +250,10 @@ def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[st
     if stored is None or not isinstance(config.placement, str):
         return config
     tables = list(stored.values()) if isinstance(stored, dict) else [stored]
-    if all(_is_contiguous(rows) for rows in tables):
+    from ..dispatch import PlacementTable
+
+    num_experts = max(e for rows in tables for row in rows for e in row) + 1
+    if all(PlacementTable.from_rows(num_experts, rows).is_contiguous() for rows in tables):
         return config
     rows = len(tables[0])
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -168,11 +168,6 @@ class PlacementTable:
 PlacementSpec = str | list[list[int]] | dict[str, list[list[int]]]
 
 
-def is_per_layer(spec: object) -> bool:
-    """Whether ``spec`` is a per-layer mapping (layer name → table)."""
-    return isinstance(spec, Mapping)
-
-
 def layer_tables(spec: PlacementSpec, layers: Sequence[tuple[str, int]], ep_degree: int) -> list[PlacementTable]:
     """One :class:`PlacementTable` per MoE layer ``(name, num_experts)`` from a placement spec.
 
@@ -180,7 +175,7 @@ def layer_tables(spec: PlacementSpec, layers: Sequence[tuple[str, int]], ep_degr
         HybridEPConfigError: naming a layer of a per-layer spec that the model does not have (with the
             names it has), or a table that does not fit its layer or the EP degree.
     """
-    if is_per_layer(spec):
+    if isinstance(spec, Mapping):
         names = [name for name, _ in layers]
         unknown = sorted(set(spec) - set(names))
         if unknown:
