@@ -17,7 +17,7 @@ from typing import Any
 
 ENV_PREFIX = "HF_HYBRID_EP_"
 
-DISPATCHER_BACKENDS = ("auto", "torch", "triton")
+DISPATCHER_BACKENDS = ("auto", "torch", "triton", "hierarchical")
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")
@@ -87,8 +87,13 @@ class HybridEPConfig:
             (``LOCAL_WORLD_SIZE``).
         dispatcher: token-exchange backend. ``"torch"`` (all_to_all_single; gloo and NCCL), ``"triton"``
             (the same exchange with fused permute/unpermute-combine kernels; CUDA, or the CPU
-            interpreter with ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton on CUDA when importable,
-            torch otherwise). A requested backend that cannot run is an error with the reason.
+            interpreter with ``TRITON_INTERPRET=1``), ``"hierarchical"`` (when an EP group spans
+            nodes: each token crosses to a node once, to the rank with its local index there, and is
+            forwarded inside the node; the relays return one partial sum per node; inside one node it
+            is the torch path) or ``"auto"`` (hierarchical when the EP group spans nodes of the topology
+            or of ``LOCAL_WORLD_SIZE`` ranks, else Triton on CUDA when importable, else torch; the
+            choice and its reason are logged). A requested backend that cannot run is an error with the
+            reason.
         placement: ``"contiguous"`` (EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``), or an explicit
             table: a list over EP ranks of the global expert ids each rank holds, e.g.
             ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated. One table serves every

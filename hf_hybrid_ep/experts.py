@@ -156,10 +156,8 @@ class ExpertParallelLayer:
         self.shadows = None  # a shadow.LayerShadows while hot-expert shadowing holds remote experts here
         self.agreement: InputAgreement | None = None  # the model's, attached by parallelize
         self._dispatcher_args = (dispatcher, alignment, control_width)
-        self.dispatcher = make_dispatcher(
-            dispatcher, table, mesh.ep_rank, mesh.ep_group, self.stats, device_type=mesh.device_type,
-            alignment=alignment, control_width=control_width,
-        )
+        self.dispatcher = make_dispatcher(dispatcher, table, mesh, self.stats, alignment=alignment,
+                                          control_width=control_width)
         self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
 
     def shard_(self) -> None:
@@ -182,10 +180,8 @@ class ExpertParallelLayer:
         self.table = table
         self.local_experts = table.local_experts(self.mesh.ep_rank)
         self.module.num_experts = len(self.local_experts)
-        self.dispatcher = make_dispatcher(
-            name, table, self.mesh.ep_rank, self.mesh.ep_group, self.stats, device_type=self.mesh.device_type,
-            alignment=alignment, control_width=control_width,
-        )
+        self.dispatcher = make_dispatcher(name, table, self.mesh, self.stats, alignment=alignment,
+                                          control_width=control_width)
 
     @torch.no_grad()
     def gather_full(self, pname: str) -> torch.Tensor:
@@ -242,7 +238,7 @@ class ExpertParallelLayer:
         handle = self.dispatcher.plan(top_k_index, shadow_slot_of, control)
         if agreement is not None and agreement.check(self.layer_id, handle.peer_control):
             return self._skipped(hidden_states)
-        rows = self.dispatcher.send(hidden_states, handle)
+        rows = self.dispatcher.send(hidden_states, handle, top_k_weights=top_k_weights)
         overlap = None
         if self.shared_overlap is not None:
             self.shared_overlap.experts_ran = True
@@ -300,13 +296,14 @@ class ExpertParallelLayer:
         handles = self.dispatcher.plan_chunks(index, spans, shadow_slot_of, control)
         if self.agreement is not None and self.agreement.check(self.layer_id, handles[0].peer_control):
             return self._skipped(hidden)
-        pending = self.dispatcher.send_async(hidden[spans[0][0] : spans[0][1]], handles[0])
+        pending = self.dispatcher.send_async(hidden[spans[0][0] : spans[0][1]], handles[0],
+                                             top_k_weights=weights[spans[0][0] : spans[0][1]])
         returns = []
         for i, (a, b) in enumerate(spans):
             following = None
             if i + 1 < chunks:
                 na, nb = spans[i + 1]
-                following = self.dispatcher.send_async(hidden[na:nb], handles[i + 1])
+                following = self.dispatcher.send_async(hidden[na:nb], handles[i + 1], top_k_weights=weights[na:nb])
             rows, exchange = pending
             expert_out = self._experts(exchange.wait(rows), handles[i])
             returns.append((*self.dispatcher.send_back_async(expert_out, handles[i]),

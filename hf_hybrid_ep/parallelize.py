@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from torch import nn
 
 from .agreement import InputAgreement
 from .config import HybridEPConfig, HybridEPConfigError
-from .dispatch import PlacementTable, resolve_backend
+from .dispatch import PlacementTable, choose_backend, resolve_backend
 from .dispatch.table import layer_tables
 from .dispatch.torch_backend import CONTROL_INTS
 from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
@@ -21,6 +22,8 @@ from .mesh import HybridMesh, build_mesh, current_device, default_device_type, i
 from .rebalance import Rebalancer
 from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .shadow import ShadowManager
+
+logger = logging.getLogger("hf_hybrid_ep")
 
 
 @dataclass
@@ -149,6 +152,9 @@ def parallelize(
     resolve_backend(config.dispatcher, default_device_type())
     tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
     mesh = build_mesh(dp, ep, topology=config.topology)
+    backend, why = choose_backend(config.dispatcher, mesh)
+    if mesh.rank == 0:
+        logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
 

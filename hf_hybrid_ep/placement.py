@@ -456,24 +456,31 @@ def expected_traffic(stats: RoutingStats, table: PlacementTable, topology: Topol
     return out
 
 
-def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology: Topology | str | None) -> dict[str, float]:
+def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology: Topology | str | None,
+                  sources: Sequence[int] | None = None) -> dict[str, float]:
     """Exact expected node- and rack-deduplicated sends of recorded top-k indices (one ``[T, k]`` array
     per layer, ``-1`` for dropped), for any k: a token from source s touches node n with probability
-    ``1 − Π_j (1 − q[s, e_j, n])`` (replica choices independent)."""
+    ``1 − Π_j (1 − q[s, e_j, n])`` (replica choices independent).
+
+    ``sources``: the EP rank that sent each array (one per array); by default every token is equally
+    likely to come from each EP rank. With the sources and a table without replicas the result is the
+    exact count the hierarchical dispatcher sends (its cross-node rows in one direction)."""
     ep = table.ep_degree
     node, rack = _levels(ep, topology)
     P = _destination_probs(table)
+    if sources is not None and len(sources) != len(indices):
+        raise HybridEPConfigError(f"trace_traffic: {len(sources)} sources for {len(indices)} index arrays")
     out = {"cross_node": 0.0, "cross_rack_dedup": 0.0, "tokens": 0}
     for key, of in (("cross_node", node), ("cross_rack_dedup", rack)):
         q = _group_probs(P, of)
         q = np.concatenate([q, np.zeros((ep, 1, q.shape[2]))], axis=1)  # row E: a dropped choice
-        for index in indices:
+        for i, index in enumerate(indices):
             index = np.asarray(index).reshape(len(index), -1)
             index = np.where(index >= 0, index, table.num_experts)
-            for s in range(ep):
+            for s in range(ep) if sources is None else [int(sources[i])]:
                 touched = 1.0 - np.prod(1.0 - q[s][index], axis=1)  # [T, groups]
                 remote = np.arange(q.shape[2]) != of[s]
-                out[key] += float(touched[:, remote].sum()) / ep
+                out[key] += float(touched[:, remote].sum()) / (ep if sources is None else 1)
     out["tokens"] = int(sum(len(i) for i in indices))
     return out
 

@@ -125,9 +125,10 @@ class SyncCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1) -> dict:
-    """One MoE layer's forward and backward on world ``W`` (ep = W / dp): collectives per group and
-    host syncs of each pass. Runs on every rank of a worker pool."""
+def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1, topology: str | None = None) -> dict:
+    """One MoE layer's forward and backward on world ``W`` (ep = W / dp): collectives per group (the
+    hierarchical dispatcher's sub-groups labelled ``inter`` / ``intra``) and host syncs of each pass. Runs on
+    every rank of a worker pool."""
     import os
 
     from tiny_models import build_tiny_model
@@ -141,7 +142,7 @@ def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1)
     model = build_tiny_model("qwen3_moe", num_experts=4)
     model.train()
     hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=world // dp, dispatcher=dispatcher,
-                                              overlap_degree=overlap_degree))
+                                              overlap_degree=overlap_degree, topology=topology))
     state = hep.state_of(model)
     layer = state.layers[0]
     hidden = model.config.hidden_size
@@ -150,6 +151,9 @@ def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1)
     logits = torch.randn(16, 4, generator=g, requires_grad=True)
     weights, index = torch.softmax(logits, -1).topk(2, dim=-1)
     groups = {"ep": state.mesh.ep_group, "edp": state.mesh.edp_group}
+    node_groups = getattr(layer.dispatcher, "groups", None)
+    if node_groups is not None:
+        groups |= {"inter": node_groups.inter_group, "intra": node_groups.intra_group}
     out = {}
     with hep.no_sync(model):  # the layer's own costs; gradient reduction is counted elsewhere
         for phase in ("forward", "backward"):

@@ -25,6 +25,21 @@ def test_one_counts_exchange_and_one_host_read_per_layer(pools, dispatcher, over
         assert r["backward"]["syncs"] == {}, r
 
 
+@pytest.mark.parametrize("overlap_degree", [1, 2])
+def test_hierarchical_layer_keeps_one_counts_exchange_and_one_host_read(pools, overlap_degree):
+    # ep 4 over 2 nodes: the counts over the EP group; per chunk and direction one exchange between the
+    # nodes (stage 1) and one inside the node (stage 2)
+    for r in pools(4).run(sync_counting.layer_costs, "hierarchical", 1, overlap_degree, "gpus_per_node=2"):
+        assert r["grads"]
+        chunks = overlap_degree
+        assert r["forward"]["collectives"] == {"all_to_all_single@ep": 1, "all_to_all_single@inter": 2 * chunks,
+                                               "all_to_all_single@intra": 2 * chunks}, r
+        assert r["backward"]["collectives"] == {"all_to_all_single@inter": 2 * chunks,
+                                                "all_to_all_single@intra": 2 * chunks}, r
+        assert r["forward"]["syncs"] == {"Tensor.tolist": 1}, r
+        assert r["backward"]["syncs"] == {}, r
+
+
 @pytest.mark.parametrize("dispatcher", ["torch", "triton"])
 def test_pure_dp_layer_makes_no_collective(pools, dispatcher):
     # ep = 1: every rank holds every expert, the exchanges are local copies (they used to be gloo calls on a

@@ -1,55 +1,107 @@
 """Token dispatchers: one interface, several backends, chosen once.
 
-A backend is selected by name (``"torch"``) or by ``"auto"`` (the best one available). A requested
-backend that is missing is an error, never a silent fallback.
+A backend is selected by name (``"torch"``, ``"triton"``, ``"hierarchical"``) or by ``"auto"`` (the best
+one for the device and the EP group's place in the topology). A requested backend that is missing is an
+error, never a silent fallback.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import os
 
 from ..config import HybridEPConfigError
+from .hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
 from .stats import CommStats, PhaseCounters
 from .table import PlacementTable
 from .torch_backend import DispatchHandle, TorchDispatcher
 from .triton_backend import TritonDispatcher, register_experts_implementation, triton_unavailable_reason
 
-BACKENDS = {"torch": TorchDispatcher, "triton": TritonDispatcher}
+BACKENDS = {"torch": TorchDispatcher, "triton": TritonDispatcher, "hierarchical": HierarchicalDispatcher}
 
 
-def resolve_backend(name: str, device_type: str = "cpu") -> str:
-    """Map ``"auto"`` to a concrete backend (Triton on CUDA when importable, else torch); raise, with
-    the reason, for a requested backend that cannot run here."""
-    if name == "auto":
-        return "triton" if device_type == "cuda" and triton_unavailable_reason(device_type) is None else "torch"
-    if name not in BACKENDS:
+def ranks_per_node(mesh) -> int:
+    """Ranks of one node: the topology's ``gpus_per_node`` when the mesh has a topology, else
+    ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate launch), else the whole world."""
+    if mesh.topology is not None:
+        return min(mesh.topology.gpus_per_node, mesh.world_size)
+    return min(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)), mesh.world_size)
+
+
+def ep_nodes(mesh) -> int:
+    """Nodes one EP group spans (1 when it fits in a node).
+
+    Raises:
+        HybridEPConfigError: when the EP group spans nodes without filling whole nodes.
+    """
+    per_node = ranks_per_node(mesh)
+    if mesh.ep_degree <= per_node:
+        return 1
+    if mesh.ep_degree % per_node:
+        raise HybridEPConfigError(f"ep_degree={mesh.ep_degree} spans nodes of {per_node} ranks but is not a multiple "
+                                  f"of {per_node}: an EP group must span whole nodes")
+    return mesh.ep_degree // per_node
+
+
+def resolve_backend(name: str, device_type: str = "cpu", nodes: int = 1) -> tuple[str, str]:
+    """The concrete backend for ``name`` and why it was chosen; raise, with the reason, for a requested
+    backend that cannot run here.
+
+    ``"auto"``: ``hierarchical`` when an EP group spans ``nodes > 1`` nodes (each token crosses to a node
+    once), else Triton on CUDA when importable, else torch. ``"hierarchical"`` inside one node is the
+    torch path (there is nothing to deduplicate).
+    """
+    if name not in (*BACKENDS, "auto"):
         raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: {sorted(BACKENDS)}")
+    if name in ("auto", "hierarchical") and nodes > 1:
+        why = "requested" if name == "hierarchical" else "auto"
+        return "hierarchical", (f"{why}: the EP group spans {nodes} nodes, so each token is sent once per "
+                                "destination node and forwarded inside it")
+    if name == "hierarchical":
+        return "torch", "hierarchical requested, but the EP group lies inside one node: the plain all-to-all"
+    if name == "auto":
+        if device_type == "cuda" and triton_unavailable_reason(device_type) is None:
+            return "triton", "auto: CUDA with Triton importable"
+        return "torch", "auto: the EP group lies inside one node" + ("" if device_type == "cuda" else ", no CUDA")
     if name == "triton":
         reason = triton_unavailable_reason(device_type)
         if reason is not None:
             raise HybridEPConfigError(f"dispatcher='triton' cannot run: {reason}")
-    return name
+    return name, "requested"
+
+
+def choose_backend(name: str, mesh) -> tuple[str, str]:
+    """:func:`resolve_backend` for a mesh (the nodes its EP groups span count only for ``auto`` and
+    ``hierarchical``)."""
+    return resolve_backend(name, mesh.device_type, ep_nodes(mesh) if name in ("auto", "hierarchical") else 1)
 
 
 def make_dispatcher(
-    name: str, table: PlacementTable, ep_rank: int, ep_group: dist.ProcessGroup | None, stats: CommStats,
-    device_type: str = "cpu", alignment: int = 1, control_width: int | None = None,
+    name: str, table: PlacementTable, mesh, stats: CommStats, alignment: int = 1, control_width: int | None = None,
 ) -> TorchDispatcher:
-    backend = resolve_backend(name, device_type)
+    """The dispatcher ``name`` resolves to for one layer of ``mesh`` (its EP rank and group)."""
+    backend, _ = choose_backend(name, mesh)
     if backend == "triton":
-        return TritonDispatcher(table, ep_rank, ep_group, stats, control_width, alignment=alignment)
-    return TorchDispatcher(table, ep_rank, ep_group, stats, control_width)
+        return TritonDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, control_width, alignment=alignment)
+    if backend == "hierarchical":
+        return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, node_groups(mesh, ranks_per_node(mesh)),
+                                      control_width)
+    return TorchDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, control_width)
 
 
 __all__ = [
     "BACKENDS",
     "CommStats",
     "DispatchHandle",
+    "HierarchicalDispatcher",
+    "NodeGroups",
     "PhaseCounters",
     "PlacementTable",
     "TorchDispatcher",
     "TritonDispatcher",
+    "choose_backend",
+    "ep_nodes",
     "make_dispatcher",
+    "ranks_per_node",
     "register_experts_implementation",
     "resolve_backend",
 ]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PHASES = ("dispatch", "combine", "dispatch_backward", "combine_backward")
+# The hierarchical dispatcher's cross-node stage is counted apart ("*_inter"); its intra-node stage, and
+# every other backend's one exchange, under the plain names.
+PHASES = ("dispatch", "combine", "dispatch_backward", "combine_backward",
+          "dispatch_inter", "combine_inter", "dispatch_inter_backward", "combine_inter_backward")
 
 
 @dataclass

@@ -122,18 +122,26 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _WeightedGather(torch.autograd.Function):
-    """``out[t] = Σ_j w[t, j] · rows[position[t*k + j]]`` when every pair has a row (nothing dropped).
+    """``out[t] = Σ_j w[t, j] · rows[position[t*k + j]]``; a pair whose position is past the last row
+    (``position ≥ rows.shape[0]``: dropped, or routed elsewhere) contributes zero.
 
     Forward: one gather and one batched product. Backward: ``grad_rows[p] = w(pair p) · grad_out[t(p)]``
-    (a gather, every row belongs to exactly one pair) and, when the weights need it,
+    (a gather, every row belongs to exactly one pair, ``order[p]``) and, when the weights need it,
     ``grad_w[t, j] = ⟨grad_out[t], rows[position[t, j]]⟩`` (the gather recomputed, one batched product).
     """
+
+    @staticmethod
+    def _picked(rows, position, tokens, k, dtype):
+        if rows.shape[0] < position.numel():  # pairs without a row read a zero row
+            rows = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
+            position = position.clamp(max=rows.shape[0] - 1)
+        return rows.index_select(0, position).view(tokens, k, *rows.shape[1:]).to(dtype)
 
     @staticmethod
     def forward(ctx, rows, weights, position, order):  # type: ignore[override]
         tokens, k = weights.shape
         dtype = torch.promote_types(rows.dtype, weights.dtype)
-        picked = rows.index_select(0, position).view(tokens, k, -1).to(dtype)
+        picked = _WeightedGather._picked(rows, position, tokens, k, dtype)
         ctx.save_for_backward(rows, weights, position, order)
         return torch.bmm(weights.to(dtype).unsqueeze(1), picked).squeeze(1)
 
@@ -143,12 +151,19 @@ class _WeightedGather(torch.autograd.Function):
         tokens, k = weights.shape
         grad_rows = grad_w = None
         if ctx.needs_input_grad[0]:
-            per_pair = grad_out.index_select(0, order // k) * weights.reshape(-1, 1)[order].to(grad_out.dtype)
+            pairs = order[: rows.shape[0]]
+            per_pair = grad_out.index_select(0, pairs // k) * weights.reshape(-1, 1)[pairs].to(grad_out.dtype)
             grad_rows = per_pair.to(rows.dtype)
         if ctx.needs_input_grad[1]:
-            picked = rows.index_select(0, position).view(tokens, k, -1).to(grad_out.dtype)
+            picked = _WeightedGather._picked(rows, position, tokens, k, grad_out.dtype)
             grad_w = torch.bmm(picked, grad_out.unsqueeze(2)).view(tokens, k).to(weights.dtype)
         return grad_rows, grad_w, None, None
+
+
+def weighted_gather(rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """``[T, H]``: ``Σ_j weights[t, j] · rows[row of pair (t, j)]`` for the pairs of ``handle`` that have a
+    row (the first ``rows.shape[0]`` of ``handle.order``); the others contribute zero. Differentiable in both."""
+    return _WeightedGather.apply(rows, weights, handle.position, handle.order)
 
 
 class TorchDispatcher:
@@ -274,9 +289,11 @@ class TorchDispatcher:
         start = handle.num_sent
         return hidden[handle.order[start : start + handle.num_shadow] // handle.top_k]
 
-    def send(self, hidden: torch.Tensor, handle: DispatchHandle, async_op: bool = False) -> torch.Tensor:
+    def send(self, hidden: torch.Tensor, handle: DispatchHandle, async_op: bool = False,
+             top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         """The token exchange of a planned dispatch. With ``async_op`` the returned rows are valid only
-        after ``handle.wait()`` (the exchange overlaps whatever runs in between)."""
+        after ``handle.wait()`` (the exchange overlaps whatever runs in between). ``top_k_weights`` is for
+        backends that weight before the return exchange (hierarchical); this one weights in ``combine``."""
         return all_to_all(
             self._permute(hidden, handle.order, handle.num_sent, handle.top_k),
             handle.send_splits,
@@ -314,7 +331,8 @@ class TorchDispatcher:
             pending.wait()
         return self.finish_combine(back, top_k_weights, handle, shadow_out)
 
-    def send_async(self, hidden: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, AsyncExchange]:
+    def send_async(self, hidden: torch.Tensor, handle: DispatchHandle,
+                   top_k_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, AsyncExchange]:
         """The token exchange, asynchronous in forward and backward (``exchange.wait(rows)`` before use)."""
         return all_to_all_async(self._permute(hidden, handle.order, handle.num_sent, handle.top_k), handle.send_splits,
                                 handle.recv_splits, self.ep_group, stats=self.stats, phase="dispatch",
@@ -346,7 +364,7 @@ class TorchDispatcher:
         received row placed at padded position j (-1: padding), ``destination[i]`` the padded position of
         row i, ``sizes`` the padded group sizes.
         """
-        ep, slots = self.table.ep_degree, self.table.slots_per_rank
+        ep, slots = len(handle.recv_splits), self.table.slots_per_rank  # ep: the ranks rows came from
         host = handle.recv_counts_host
         per_slot = [sum(host[r * slots + s] for r in range(ep)) for s in range(local_slots)]
         sizes_host = [(n + self.alignment - 1) // self.alignment * self.alignment for n in per_slot]
@@ -395,7 +413,7 @@ class TorchDispatcher:
     def _unpermute_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         exact = torch.promote_types(back.dtype, top_k_weights.dtype) in (torch.float32, torch.float64)
         if exact and handle.num_dropped == 0 and back.shape[0] > 0:
-            return _WeightedGather.apply(back, top_k_weights, handle.position, handle.order)
+            return weighted_gather(back, top_k_weights, handle)
         # low precision: round the products, then their sum, in the promoted dtype, as transformers does
         if handle.num_dropped:  # dropped pairs contribute zero: their rows sort last
             back = torch.cat([back, back.new_zeros((handle.num_dropped, back.shape[1]))])

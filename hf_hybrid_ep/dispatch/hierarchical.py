@@ -1,0 +1,364 @@
+"""The hierarchical dispatcher: a token crosses to another node at most once per destination node.
+
+An EP group of ``ep = N · G`` ranks spans N nodes of G ranks (ranks are numbered node-major: EP rank
+``r`` is on node ``r // G`` with local index ``r % G``). Each rank joins two sub-groups of its EP group:
+*inter* (the N ranks with its local index, one per node) and *intra* (the G ranks of its node).
+
+Dispatch from a source rank s = (node n_s, local index l_s):
+
+1. **plan**: every (token, k) pair is routed by the placement table exactly as the plain dispatcher
+   routes it (same replica choice). A token's *node rows* are the nodes that hold at least one of its
+   pairs. One counts exchange over the EP group (it also carries, to every rank of a node, the source's
+   counts for the whole node, and the number of node rows it sends there), one device→host read.
+2. **stage 1** (inter group): each node row — the token's activations, its k routing weights and k
+   destination keys ``local index · slots + slot`` (−1 and weight 0 for the pairs not on that node),
+   packed into one byte row — goes to the *relay*, the rank with local index l_s on that node (the row
+   for s's own node is a local copy).
+3. **stage 2** (intra group): the relay forwards every pair of the node rows it received to the rank of
+   its node that holds the pair's slot: the plain dispatcher's exchange, with node rows as its tokens.
+
+Combine reverses it: the expert outputs return to the relay inside the node, the relay forms each node
+row's partial sum ``Σ_j w_j · y_j`` and sends one row per node row back across (stage 1 reversed), and
+the source adds its node rows' partial sums (and its shadows' outputs). Autograd runs each exchange in
+reverse, so the backward crosses nodes once per node row as well.
+
+The cross-node rows of one direction are therefore the node-deduplicated sends that
+:func:`hf_hybrid_ep.placement.trace_traffic` predicts; each costs ``k · (weight bytes + 4)`` bytes of
+metadata beyond the activations in the dispatch (none in the combine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .alltoall import AsyncExchange, all_to_all, all_to_all_async
+from .stats import CommStats
+from .table import PlacementTable
+from .torch_backend import CONTROL_INTS, DispatchHandle, TorchDispatcher, host_ints, weighted_gather
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's place in an EP group of ``nodes × per_node`` ranks and its two sub-groups
+    (``None``: a sub-group of one rank, whose exchange is a local copy)."""
+
+    nodes: int
+    per_node: int
+    node: int
+    local: int
+    inter_group: dist.ProcessGroup | None  # group rank = node
+    intra_group: dist.ProcessGroup | None  # group rank = local index
+
+
+def node_groups(mesh, per_node: int) -> NodeGroups:
+    """Create the inter- and intra-node sub-groups of every EP group (every rank makes the same calls in the
+    same order: group creation is a world collective) and return this rank's."""
+    ep = mesh.ep_degree
+    nodes = ep // per_node
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    for dp_rank in range(mesh.dp_degree):
+        base = dp_rank * ep
+        sets = [("inter", tuple(base + n * per_node + local for n in range(nodes))) for local in range(per_node)]
+        sets += [("intra", tuple(base + node * per_node + local for local in range(per_node))) for node in range(nodes)]
+        for kind, ranks in sets:
+            group = mesh.group_of(ranks)
+            if mesh.rank in ranks:
+                mine[kind] = group
+    return NodeGroups(nodes, per_node, mesh.ep_rank // per_node, mesh.ep_rank % per_node, mine["inter"], mine["intra"])
+
+
+@dataclass
+class HierarchicalHandle(DispatchHandle):
+    """A :class:`DispatchHandle` of the hierarchical dispatcher, for one token span.
+
+    The base fields keep their meaning for this rank's experts and shadows: ``recv_splits`` /
+    ``recv_counts`` are the rows arriving from each relay of this node (stage 2), ``send_splits`` the
+    pairs this rank forwards, as a relay, to each rank of its node (stage 2); ``order`` lists the shadow
+    pairs first (``num_sent`` is 0: no pair is sent as itself).
+
+    Attributes:
+        node_send / node_recv: node rows sent to / received from each node (stage 1; index = node).
+        token_of_row: ``[R]`` the token of each node row sent, rows ordered by node, then token.
+        row_of: ``[T, N]`` the node row of (token, node), −1 when the token has no pair there.
+        row_mask: ``[R, k]`` which of the token's pairs are on the row's node.
+        row_keys: ``[R, k]`` int32 ``local index · slots + slot`` of those pairs, −1 elsewhere.
+        relay / relay_weights: filled when stage 1 arrives: the relay's handle over the received node
+            rows (its tokens), and their ``[R1, k]`` routing weights.
+    """
+
+    node_send: list[int] = field(default_factory=list)
+    node_recv: list[int] = field(default_factory=list)
+    token_of_row: torch.Tensor | None = None
+    row_of: torch.Tensor | None = None
+    row_mask: torch.Tensor | None = None
+    row_keys: torch.Tensor | None = None
+    relay: DispatchHandle | None = None
+    relay_weights: torch.Tensor | None = None
+
+
+class _TokenRows(torch.autograd.Function):
+    """``rows[r] = hidden[token_of_row[r]]``; the backward sums each token's node rows (a gather)."""
+
+    @staticmethod
+    def forward(ctx, hidden, token_of_row, row_of):  # type: ignore[override]
+        ctx.save_for_backward(row_of)
+        return hidden.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (row_of,) = ctx.saved_tensors
+        return sum_node_rows(grad, row_of), None, None
+
+
+class _SumNodeRows(torch.autograd.Function):
+    """``out[t] = Σ_n rows[row_of[t, n]]`` (nodes in order; −1: none); the backward is ``_TokenRows``'s forward."""
+
+    @staticmethod
+    def forward(ctx, rows, row_of, token_of_row):  # type: ignore[override]
+        ctx.save_for_backward(token_of_row)
+        return sum_node_rows(rows, row_of)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None
+
+
+def sum_node_rows(rows: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` sums of the rows ``row_of [T, N]`` points at (−1 adds nothing)."""
+    tokens, nodes = row_of.shape
+    padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
+    index = torch.where(row_of >= 0, row_of, rows.shape[0]).reshape(-1)
+    return padded.index_select(0, index).view(tokens, nodes, -1).sum(1)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` → ``[R, C · element size]`` uint8, the same memory."""
+    return t.contiguous().view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, columns: int) -> torch.Tensor:
+    return b.contiguous().view(dtype).view(b.shape[0], columns)
+
+
+class _PackedExchange(torch.autograd.Function):
+    """Stage 1: node rows, their routing weights and keys in one byte row, one ``all_to_all_single``; the
+    backward returns the gradients of rows and weights packed the same way, by the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, keys, send_splits, recv_splits, group, stats, self_index):  # type: ignore[override]
+        ctx.meta = (send_splits, recv_splits, group, stats, self_index, rows.dtype, rows.shape[1], weights.dtype,
+                    weights.shape[1], rows.device)
+        packed = torch.cat([_as_bytes(rows), _as_bytes(weights), _as_bytes(keys)], dim=1)
+        if stats is not None:
+            stats.record("dispatch_inter", send_splits, recv_splits, self_index, packed.shape[1])
+        out = _exchange_bytes(packed, send_splits, recv_splits, group)
+        cols = [rows.shape[1] * rows.element_size(), weights.shape[1] * weights.element_size()]
+        keys_out = _from_bytes(out[:, cols[0] + cols[1] :], keys.dtype, keys.shape[1])
+        ctx.mark_non_differentiable(keys_out)
+        return (_from_bytes(out[:, : cols[0]], rows.dtype, rows.shape[1]),
+                _from_bytes(out[:, cols[0] : cols[0] + cols[1]], weights.dtype, weights.shape[1]), keys_out)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights, _grad_keys):  # type: ignore[override]
+        send_splits, recv_splits, group, stats, self_index, row_dtype, width, w_dtype, k, device = ctx.meta
+        if grad_rows is None:
+            grad_rows = torch.zeros((sum(recv_splits), width), dtype=row_dtype, device=device)
+        if grad_weights is None:
+            grad_weights = torch.zeros((sum(recv_splits), k), dtype=w_dtype, device=device)
+        packed = torch.cat([_as_bytes(grad_rows.to(row_dtype)), _as_bytes(grad_weights.to(w_dtype))], dim=1)
+        if stats is not None:
+            stats.record("dispatch_inter_backward", recv_splits, send_splits, self_index, packed.shape[1])
+        out = _exchange_bytes(packed, recv_splits, send_splits, group)
+        cut = width * torch.empty((), dtype=row_dtype).element_size()
+        return (_from_bytes(out[:, :cut], row_dtype, width), _from_bytes(out[:, cut:], w_dtype, k),
+                None, None, None, None, None, None)
+
+
+def _exchange_bytes(packed: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = packed.new_empty((sum(recv_splits), packed.shape[1]))
+    if group is None:
+        out.copy_(packed)
+    else:
+        dist.all_to_all_single(out, packed, recv_splits, send_splits, group=group)
+    return out
+
+
+class HierarchicalDispatcher(TorchDispatcher):
+    """Node-deduplicating token exchange for an EP group that spans several nodes (see the module doc).
+
+    Same interface as :class:`TorchDispatcher`; :meth:`send` and :meth:`send_async` take the routing
+    weights (the relays form the partial sums). One counts exchange and one host read per layer.
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, table: PlacementTable, ep_rank: int, ep_group: dist.ProcessGroup | None, stats: CommStats,
+                 groups: NodeGroups, control_width: int | None = None) -> None:
+        super().__init__(table, ep_rank, ep_group, stats, control_width)
+        self.groups = groups
+        self.max_slots = self.width - CONTROL_INTS  # counts stride: the same for every layer of the model
+        self.block = groups.per_node * self.max_slots + 1  # per span: a node's pair counts, then its node rows
+
+    def plan_chunks(self, top_k_index: torch.Tensor, spans: list[tuple[int, int]],
+                    shadow_slot_of: torch.Tensor | None = None,
+                    control: torch.Tensor | None = None) -> list[HierarchicalHandle]:
+        """Route every pair, find each span's node rows, and exchange all counts in one message.
+
+        Message from this rank to EP rank d, per span: this rank's pair counts for every (local index, slot)
+        of d's node (stride ``max_slots``), then the node rows it sends to d's node; the control integers
+        last. Every rank of a node receives the same block: as a relay it reads all of it, as a destination
+        its own counts.
+        """
+        num_tokens, k = top_k_index.shape
+        g = self.groups
+        ep, slots, stride = self.table.ep_degree, self.table.slots_per_rank, self.max_slots
+        device = top_k_index.device
+        flat = top_k_index.reshape(-1).long()
+        valid = (flat >= 0) & (flat < self.table.num_experts)
+        safe = torch.where(valid, flat, torch.zeros_like(flat))
+        dest_rank, dest_slot = self.table.route(safe, self.ep_rank)
+        shadow = torch.zeros_like(valid) if shadow_slot_of is None else valid & (shadow_slot_of[safe] >= 0)
+        sent = (valid & ~shadow).view(num_tokens, k)
+        node = (dest_rank // g.per_node).view(num_tokens, k)
+        local_key = ((dest_rank % g.per_node) * slots + dest_slot).view(num_tokens, k).to(torch.int32)
+        bins = ep * slots + 1
+        chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        for c, (a, _) in enumerate(spans[1:], start=1):
+            chunk[a:] = c
+        key = torch.where(sent.reshape(-1), dest_rank * slots + dest_slot, ep * slots) + chunk.repeat_interleave(k) * bins
+        pair_count = torch.zeros(len(spans) * bins, dtype=torch.long, device=device)
+        pair_count.scatter_add_(0, key, torch.ones_like(key))
+        pair_count = pair_count.view(len(spans), bins)
+        message = torch.zeros(g.nodes, len(spans) * self.block + CONTROL_INTS, dtype=torch.long, device=device)
+        grids, shadow_orders = [], []
+        for c, (a, b) in enumerate(spans):
+            tokens = b - a
+            cell = torch.where(sent[a:b], node[a:b] * tokens + torch.arange(tokens, device=device).unsqueeze(1),
+                               g.nodes * tokens)
+            grid = torch.zeros(g.nodes * tokens + 1, dtype=torch.bool, device=device)
+            grid.index_fill_(0, cell.reshape(-1), True)
+            grids.append(grid[:-1])  # [nodes · tokens], node-major: does token t have a pair on node n
+            block = message[:, c * self.block : (c + 1) * self.block]
+            block[:, : g.per_node * stride].view(g.nodes, g.per_node, stride)[:, :, :slots] = (
+                pair_count[c, : ep * slots].view(g.nodes, g.per_node, slots))
+            block[:, -1] = grids[-1].view(g.nodes, tokens).sum(1)
+            shadow_orders.append(torch.sort((~shadow[a * k : b * k]).to(torch.int8), stable=True)[1])
+        if control is not None:
+            message[:, -CONTROL_INTS:] = control.to(device)
+        received = torch.empty(ep, message.shape[1], dtype=torch.long, device=device)
+        outgoing = message.repeat_interleave(g.per_node, dim=0)  # EP rank d gets its node's row
+        if self.ep_group is None:
+            received.copy_(outgoing)
+        else:
+            dist.all_to_all_single(received, outgoing, group=self.ep_group)
+        num_shadow = torch.stack([shadow[a * k : b * k].sum() for a, b in spans])
+        node_rows = message[:, [c * self.block + self.block - 1 for c in range(len(spans))]].T.reshape(-1)
+        host = host_ints(torch.cat([num_shadow, node_rows, received.reshape(-1)]))
+        chunks, width = len(spans), message.shape[1]
+        shadows_host, sends_host = host[:chunks], host[chunks : chunks + chunks * g.nodes]
+        recv_host = host[chunks + chunks * g.nodes :]
+        peer_control = [tuple(recv_host[r * width + width - CONTROL_INTS : (r + 1) * width]) for r in range(ep)]
+        relayed = [n * g.per_node + g.local for n in range(g.nodes)]  # the sources this rank relays for
+        slot_ids = torch.arange(slots, device=device).repeat(g.per_node)
+        recv_view = received.view(g.nodes, g.per_node, width)
+        handles = []
+        for c, (a, b) in enumerate(spans):
+            off, tokens = c * self.block, b - a
+
+            def at(rank: int, col: int, _off=off) -> int:
+                return recv_host[rank * width + _off + col]
+
+            node_send = sends_host[c * g.nodes : (c + 1) * g.nodes]
+            node_recv = [at(s, self.block - 1) for s in relayed]
+            relay_send = [sum(at(s, lo * stride + sl) for s in relayed for sl in range(slots))
+                          for lo in range(g.per_node)]
+            recv_counts_host = [sum(at(n * g.per_node + src, g.local * stride + sl) for n in range(g.nodes))
+                                for src in range(g.per_node) for sl in range(slots)]
+            recv_splits = [sum(recv_counts_host[src * slots : (src + 1) * slots]) for src in range(g.per_node)]
+            col = off + g.local * stride
+            recv_counts = recv_view[:, :, col : col + slots].sum(0).reshape(-1)
+            local_slot = torch.repeat_interleave(slot_ids, recv_counts, output_size=sum(recv_splits))
+            grid = grids[c]
+            cells = torch.sort((~grid).to(torch.int8), stable=True)[1][: sum(node_send)]
+            token_of_row, node_of_row = cells % tokens, cells // tokens
+            row_of = torch.where(grid, torch.cumsum(grid, 0) - 1, -1).view(g.nodes, tokens).T.contiguous()
+            row_mask = sent[a:b][token_of_row] & (node[a:b][token_of_row] == node_of_row.unsqueeze(1))
+            row_keys = torch.where(row_mask, local_key[a:b][token_of_row], -1)
+            shadow_slot = None
+            if shadows_host[c]:
+                order = shadow_orders[c][: shadows_host[c]]
+                shadow_slot = shadow_slot_of[flat[order + a * k]]
+            handles.append(HierarchicalHandle(
+                shadow_orders[c], 0, relay_send, recv_splits, tokens, k, local_slot, recv_counts, recv_counts_host,
+                num_shadow=shadows_host[c], shadow_slot=shadow_slot, peer_control=peer_control,
+                node_send=node_send, node_recv=node_recv, token_of_row=token_of_row, row_of=row_of,
+                row_mask=row_mask, row_keys=row_keys,
+            ))
+        return handles
+
+    # ------------------------------------------------------------------ dispatch
+    def _stage_one(self, hidden: torch.Tensor, handle: HierarchicalHandle, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Node rows to the relays; returns the pairs this rank forwards, in stage-2 send order."""
+        g = self.groups
+        if top_k_weights is None:
+            raise ValueError("the hierarchical dispatcher needs the routing weights at send time")
+        rows = _TokenRows.apply(hidden, handle.token_of_row, handle.row_of)
+        weights = torch.where(handle.row_mask, top_k_weights.index_select(0, handle.token_of_row),
+                              top_k_weights.new_zeros(()))
+        rows1, weights1, keys1 = _PackedExchange.apply(rows, weights, handle.row_keys, handle.node_send,
+                                                       handle.node_recv, g.inter_group, self.stats, g.node)
+        keys = keys1.reshape(-1).long()
+        order = torch.sort(torch.where(keys >= 0, keys, g.per_node * self.table.slots_per_rank), stable=True)[1]
+        handle.relay = DispatchHandle(order, sum(handle.send_splits), handle.send_splits, [], rows1.shape[0],
+                                      handle.top_k)
+        handle.relay_weights = weights1
+        return self._permute(rows1, order, handle.relay.num_sent, handle.top_k)
+
+    def send(self, hidden: torch.Tensor, handle: HierarchicalHandle, async_op: bool = False,
+             top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 1 then stage 2; the rows this rank's experts compute (with ``async_op`` only stage 2 is
+        asynchronous: valid after ``handle.wait()``)."""
+        return all_to_all(self._stage_one(hidden, handle, top_k_weights), handle.send_splits, handle.recv_splits,
+                          self.groups.intra_group, stats=self.stats, phase="dispatch", self_index=self.groups.local,
+                          pending=handle if async_op else None)
+
+    def send_async(self, hidden: torch.Tensor, handle: HierarchicalHandle,
+                   top_k_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, AsyncExchange]:
+        """Stage 1 (blocking), then stage 2 asynchronous in forward and backward."""
+        return all_to_all_async(self._stage_one(hidden, handle, top_k_weights), handle.send_splits,
+                                handle.recv_splits, self.groups.intra_group, stats=self.stats, phase="dispatch",
+                                self_index=self.groups.local)
+
+    # ------------------------------------------------------------------ combine
+    def _partial_sums(self, expert_out: torch.Tensor, handle: HierarchicalHandle) -> torch.Tensor:
+        """Stage 2 reversed, then each received node row's ``Σ_j w_j · y_j`` at this relay: ``[R1, H]``."""
+        g = self.groups
+        back = all_to_all(expert_out, handle.recv_splits, handle.send_splits, g.intra_group, stats=self.stats,
+                          phase="combine", self_index=g.local)
+        return weighted_gather(back, handle.relay_weights, handle.relay)
+
+    def send_back(self, expert_out: torch.Tensor, handle: HierarchicalHandle, pending=None) -> torch.Tensor:
+        """Partial sums at the relays, one row per node row back across (asynchronous with ``pending``)."""
+        return all_to_all(self._partial_sums(expert_out, handle), handle.node_recv, handle.node_send,
+                          self.groups.inter_group, stats=self.stats, phase="combine_inter",
+                          self_index=self.groups.node, pending=pending)
+
+    def send_back_async(self, expert_out: torch.Tensor, handle: HierarchicalHandle) -> tuple[torch.Tensor, AsyncExchange]:
+        """Stage 2 reversed (blocking), then the cross-node return asynchronous in forward and backward."""
+        return all_to_all_async(self._partial_sums(expert_out, handle), handle.node_recv, handle.node_send,
+                                self.groups.inter_group, stats=self.stats, phase="combine_inter",
+                                self_index=self.groups.node)
+
+    def finish_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, handle: HierarchicalHandle,
+                       shadow_out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, H]``: the sum of each token's node rows' partial sums, plus its shadow pairs' weighted outputs."""
+        out = _SumNodeRows.apply(back, handle.row_of, handle.token_of_row)
+        if shadow_out is not None:
+            shadows = DispatchHandle(handle.order, handle.num_shadow, [], [], handle.num_tokens, handle.top_k)
+            out = out + weighted_gather(shadow_out.to(back.dtype), top_k_weights, shadows)
+        return out

@@ -1,0 +1,94 @@
+"""The hierarchical dispatcher (``dispatcher="hierarchical"``): faithful where an EP group spans nodes.
+
+World 4 as 2 "nodes" × 2 ranks (``gpus_per_node=2``) with ep 4 (each EP group spans both nodes: stage 1
+between the nodes, stage 2 inside them), and as 4 nodes of one rank (stage 2 a local copy). The
+reference is one process training the unsharded model (:mod:`parity`), and the plain dispatcher on the
+same layout; cross-node rows are checked against ``trace_traffic`` on the routing each rank sent.
+"""
+
+from __future__ import annotations
+
+import dist_cases as cases
+import parity
+import pytest
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+TWO_NODES = "gpus_per_node=2"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_parity_with_ep_across_two_nodes(pools, family):
+    parity.assert_faithful(pools(4).run(cases.train_parity, family, 1, 4, 4, dispatcher="hierarchical",
+                                        topology=TWO_NODES))
+
+
+@pytest.mark.parametrize(("layout", "topology"), [((2, 2), "gpus_per_node=1"), ((1, 4), "gpus_per_node=1")],
+                         ids=["dp2xep2-1-per-node", "ep4-1-per-node"])
+def test_training_parity_one_rank_per_node(pools, layout, topology):
+    dp, ep = layout
+    parity.assert_faithful(pools(4).run(cases.train_parity, "qwen2_moe", dp, ep, 4, dispatcher="hierarchical",
+                                        topology=topology))
+
+
+def test_training_parity_with_replicas_across_nodes(pools):
+    # every expert on two ranks, one per node for experts 0 and 1: some pairs stay home, some cross
+    placement = [[0, 1], [2, 3], [3, 0], [1, 2]]
+    parity.assert_faithful(pools(4).run(cases.train_parity, "mixtral", 1, 4, 4, placement=placement,
+                                        dispatcher="hierarchical", topology=TWO_NODES))
+
+
+def test_training_parity_with_shadows_chunks_and_rebalancing(pools):
+    # hot-expert shadows kept at the source, the overlapped chunked exchange, and experts moving online
+    # (the tables and the dispatchers rebuilt) — each with the exchange across the two nodes
+    results = pools(4).run(cases.train_parity, "gpt_oss", 1, 4, 4, dispatcher="hierarchical", topology=TWO_NODES,
+                           expert_cache_capacity=1, skew=([0, 2], 4.0), seq=32)
+    parity.assert_faithful(results)
+    assert all(step["rows_local"] > 0 for r in results for step in r["shadow_steps"][1:]), results
+    parity.assert_faithful(pools(4).run(cases.train_parity, "qwen3_moe", 1, 4, 4, dispatcher="hierarchical",
+                                        topology=TWO_NODES, overlap_degree=2))
+    results = pools(4).run(cases.train_parity, "mixtral", 1, 4, 4, dispatcher="hierarchical", topology=TWO_NODES,
+                           rebalance_every=1, rebalance_replicas=4)
+    for r in results:  # the criterion of the rebalancing tests (tests/test_rebalance.py)
+        assert r["max_loss_rel"] <= cases.REL_TOL and r["max_grad_rel_step0"] <= cases.REL_TOL, r
+        assert r["max_norm_rel"] <= cases.REL_TOL and r["violations"] == [], r
+        assert r["tables"][1] != r["tables"][0] and any(sent > 0 for _, sent in r["rebalances"]), r
+
+
+@pytest.mark.parametrize(("top_k", "capacity"), [(2, None), (4, None), (2, 0.6)], ids=["top2", "top4", "top2-drops"])
+def test_sends_each_token_once_per_remote_node(pools, top_k, capacity):
+    results = pools(4).run(cases.dispatcher_equivalence, "qwen3_moe", 1, 4, TWO_NODES, num_experts=8, top_k=top_k,
+                           capacity_factor=capacity)
+    for rank, r in enumerate(results):
+        assert r["kinds"] == ["HierarchicalDispatcher"], r
+        assert r["logits_rel"] <= 1e-6 and r["grad_rel"] <= 1e-5, (rank, r)
+        rows = r["phase_rows"]
+        # exact: without replicas the routing decides the destination nodes
+        assert rows["dispatch_inter"] == rows["combine_inter_backward"] == r["predicted_cross_node_rows"] > 0, r
+    # what crosses back equals what crossed over, summed over the ranks
+    total = {p: sum(r["phase_rows"][p] for r in results) for p in results[0]["phase_rows"]}
+    assert len(set(total.values())) == 1, total
+    if capacity is not None:
+        assert sum(r["dropped"] for r in results) > 0
+    if top_k == 4:  # a token's 4 experts on 2 nodes: far fewer node rows than (token, expert) pairs sent
+        assert sum(r["phase_rows"]["dispatch_inter"] for r in results) < 0.75 * sum(r["plain_remote_rows"] for r in results)
+
+
+def test_inside_one_node_it_is_the_plain_dispatcher(pools):
+    for r in pools(4).run(cases.dispatcher_equivalence, "qwen3_moe", 2, 2, TWO_NODES):
+        assert r["kinds"] == ["TorchDispatcher"] and r["logits_rel"] == 0 and r["grad_rel"] == 0, r
+
+
+def test_auto_picks_it_when_ep_spans_nodes_and_says_why(pools):
+    pool = pools(4)
+    results = pool.run(cases.dispatcher_choice, 1, 4, "auto", TWO_NODES)
+    assert all(r["kinds"] == ["HierarchicalDispatcher"] for r in results), results
+    assert results[0]["log"] == ["dispatcher 'auto' -> hierarchical (auto: the EP group spans 2 nodes, so each token "
+                                 "is sent once per destination node and forwarded inside it)"], results[0]
+    assert all(r["log"] == [] for r in results[1:]), results  # said once, by rank 0
+    # no topology: nodes of LOCAL_WORLD_SIZE ranks, as torchrun and accelerate launch set it
+    assert all(r["kinds"] == ["HierarchicalDispatcher"] for r in pool.run(cases.dispatcher_choice, 1, 4, "auto", None, 2))
+    assert all(r["kinds"] == ["TorchDispatcher"] for r in pool.run(cases.dispatcher_choice, 2, 2, "auto", TWO_NODES))
+    assert all(r["kinds"] == ["TorchDispatcher"] for r in pool.run(cases.dispatcher_choice, 1, 4, "auto"))
+    for r in pool.run(cases.dispatcher_choice, 1, 4, "hierarchical", None, 3):
+        assert r["error"] == ("ep_degree=4 spans nodes of 3 ranks but is not a multiple of 3: an EP group must "
+                              "span whole nodes"), r
