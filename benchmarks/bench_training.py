@@ -103,6 +103,10 @@ def default_runs(world: int) -> list[RunSpec]:
     # Communication overlap (issue 16): every hybrid variant also with the blocking reduction, side by side.
     runs += [dataclasses.replace(r, name=f"{r.name}-blocking", config={**r.config, "overlap_grad_reduce": False})
              for r in runs if r.engine == "hybrid"]
+    # The plain all-to-all in every arm, as recorded in the regime tables (auto would pick the hierarchical
+    # dispatcher for pure EP on the two-node fabric; benchmarks/bench_hierarchical.py compares the two).
+    runs = [dataclasses.replace(r, config={"dispatcher": "torch", **r.config}) if r.engine == "hybrid" else r
+            for r in runs]
     runs.append(RunSpec(f"hf-native-fsdp{world}-ep{world}", "hf-native", world, world,
                         {"fsdp_size": world, "ep_size": world}))
     if world % 2 == 0 and world >= 4:  # HSDP: replicated across the two nodes, FSDP + EP inside a node
@@ -143,6 +147,13 @@ class StepArgs:
     mem_budget_bytes: int | None = None
     ranks_per_node: int = 4
     run_timeout_s: float = 900.0
+    # token ids to train on: an ``.npz`` whose ``blocks`` is ``[N, seq_len]`` (default: uniform random ids)
+    data: str | None = None
+    # hybrid runs: record every timed step's top-k indices per layer (``routing_rank{r}.npz`` in the run's
+    # directory) and the node-deduplicated cross-node rows ``trace_traffic`` predicts for them
+    record_routing: bool = False
+    # save the trained model here (a plain transformers checkpoint) after the timed steps
+    save_to: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -501,6 +512,15 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
         "engine_counters": ranks[0].get("engine_counters"),
         "notes": sorted({n for r in ranks for n in r.get("notes", [])}),
     }
+    if ranks[0].get("engine_counters"):  # every rank's token-exchange rows and bytes by phase, summed
+        phases = [r["engine_counters"]["phases_per_step"] for r in ranks]
+        rec["phases_per_step_all_ranks"] = {p: {k: sum(x[p][k] for x in phases) for k in phases[0][p]}
+                                            for p in phases[0]}
+    if all("routing" in r for r in ranks):
+        rec["routing"] = {"predicted_cross_node_rows_per_step": sum(r["routing"]["predicted_cross_node_rows"]
+                                                                    for r in ranks) / steps,
+                          "trace_files": [r["routing"]["trace_file"] for r in ranks],
+                          "tables": ranks[0]["routing"]["tables"]}
     return rec
 
 
@@ -573,9 +593,10 @@ class CollectiveMeter:
         return out
 
     def _a2a(self, tensor, out_splits, in_splits, group, times: int = 1) -> None:
+        import torch
         import torch.distributed as dist
 
-        if not tensor.is_floating_point():  # the per-expert row counts sent ahead of the tokens
+        if tensor.dtype in (torch.int64, torch.int32):  # the per-expert row counts sent ahead of the tokens
             self.by_op["all_to_all_counts"] += tensor.numel() * tensor.element_size() * times
             return
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -618,7 +639,7 @@ class CollectiveMeter:
 
         def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *a, **k):
             meter._a2a(input, output_split_sizes, input_split_sizes, group)
-            name = "all_to_all" if input.is_floating_point() else "all_to_all_counts"
+            name = "all_to_all_counts" if input.dtype in (torch.int64, torch.int32) else "all_to_all"
             return meter.timed(name, orig_a2a, output, input, output_split_sizes, input_split_sizes, group, *a, **k)
 
         dist.all_to_all_single = all_to_all_single
@@ -730,6 +751,59 @@ def _clip_mixed_meshes(model, max_norm: float):
     return total
 
 
+def _data_batches(path: str, shape: tuple[int, int, int], count: int, rank: int, world: int) -> list:
+    """``count`` batches of ``shape`` token ids from the ``blocks`` of an ``.npz``, each rank its own rows."""
+    import numpy as np
+    import torch
+
+    blocks = np.load(path)["blocks"]
+    accum, batch, seq = shape
+    if blocks.shape[1] < seq:
+        raise ValueError(f"{path}: blocks of {blocks.shape[1]} tokens, shorter than seq_len={seq}")
+    per = accum * batch
+    out = []
+    for i in range(count):
+        start = ((i * world + rank) * per) % max(1, len(blocks) - per)
+        out.append(torch.as_tensor(blocks[start : start + per, :seq], dtype=torch.long).reshape(shape))
+    return out
+
+
+class _RoutingRecorder:
+    """Top-k indices of every MoE layer while ``on`` (after capacity drops: what the dispatcher routes)."""
+
+    def __init__(self, model) -> None:
+        import hf_hybrid_ep
+
+        self.state = hf_hybrid_ep.state_of(model)
+        self.on = False
+        self.traces: dict[str, list] = defaultdict(list)
+        for layer in self.state.layers:
+            def count(index, dropped=0, _original=layer.routing.count, _name=layer.name):
+                if self.on:
+                    self.traces[_name].append(index.detach().reshape(-1, index.shape[-1]).clone())
+                _original(index, dropped)
+
+            layer.routing.count = count
+
+    def finish(self, path: Path, ranks_per_node: int) -> dict[str, Any]:
+        """Save the traces; return the predicted cross-node node rows (one direction) and the tables."""
+        import numpy as np
+        import torch
+
+        from hf_hybrid_ep.placement import trace_traffic
+
+        mesh = self.state.mesh
+        topology = mesh.topology if mesh.topology is not None else f"gpus_per_node={ranks_per_node}"
+        arrays = {name: torch.cat(parts).numpy() for name, parts in self.traces.items()}
+        np.savez_compressed(path, **arrays)
+        tables = {layer.name: layer.table for layer in self.state.layers}
+        predicted = sum(trace_traffic([a], tables[name], topology, sources=[mesh.ep_rank])["cross_node"]
+                        for name, a in arrays.items())
+        return {"trace_file": str(path), "predicted_cross_node_rows": predicted,
+                "tokens": sum(len(a) for a in arrays.values()),
+                "tables": {name: [list(r) for r in t.rows] for name, t in tables.items()}}
+
+
 def worker(job_path: str) -> None:
     """One rank of one run: writes ``rank{RANK}.json`` into the job's directory."""
     job = json.loads(Path(job_path).read_text())
@@ -771,8 +845,12 @@ def worker(job_path: str) -> None:
         g = torch.Generator().manual_seed(1234 + rank)
         vocab = model.config.vocab_size if hasattr(model, "config") else model.module.config.vocab_size
         n_batches = step["warmup"] + step["steps"] + 1
-        batches = [torch.randint(0, vocab, (step["grad_accum"], step["batch_per_rank"], step["seq_len"]), generator=g)
-                   for _ in range(n_batches)]
+        shape = (step["grad_accum"], step["batch_per_rank"], step["seq_len"])
+        if step.get("data"):
+            batches = _data_batches(step["data"], shape, n_batches, rank, dist.get_world_size())
+        else:
+            batches = [torch.randint(0, vocab, shape, generator=g) for _ in range(n_batches)]
+        recorder = _RoutingRecorder(model) if step.get("record_routing") and spec["engine"] == "hybrid" else None
 
         def train_step(micro_batches, zero: bool = True) -> None:
             for j, ids in enumerate(micro_batches):  # gradients synchronized on the last micro-batch only
@@ -795,12 +873,17 @@ def worker(job_path: str) -> None:
             hf_hybrid_ep.reset_comm_stats(model)
         c0 = _counters()
         times = []
+        if recorder is not None:
+            recorder.on = True
         for i in range(step["steps"]):
             t = time.perf_counter()
             train_step(batches[step["warmup"] + i])
             dist.barrier()
             times.append(time.perf_counter() - t)
         c1 = _counters()
+        if recorder is not None:
+            recorder.on = False
+            rec["routing"] = recorder.finish(out / f"routing_rank{rank}.npz", step["ranks_per_node"])
         rec["step_times"] = times
         rec["a2a_remote_bytes"], rec["a2a_intra_bytes"], rec["a2a_inter_bytes"] = meter.a2a_remote, meter.a2a_intra, meter.a2a_inter
         rec["reduce_bytes"], rec["bytes_by_op"] = meter.reduce, dict(meter.by_op)
@@ -808,16 +891,22 @@ def worker(job_path: str) -> None:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0 and c0:
             rec["counters"] = {k: c1[k] - c0[k] for k in c0}
         if spec["engine"] == "hybrid":
+            from hf_hybrid_ep.dispatch.stats import PHASES
+
             stats = hf_hybrid_ep.comm_stats(model)
             red = stats["gradient_reduction"]
             rec["engine_counters"] = {
                 "a2a_remote_bytes_sent_per_step": sum(
                     v[p]["remote_bytes_sent"] for k, v in stats.items() if k != "gradient_reduction"
-                    for p in ("dispatch", "combine", "dispatch_backward", "combine_backward")) // step["steps"],
+                    for p in PHASES) // step["steps"],
                 "allreduce_dense_bytes_per_step": red["dense_bytes"] // step["steps"],
                 "allreduce_expert_bytes_per_step": red["expert_bytes"] // step["steps"],
                 "ready_to_end_s_per_step": red["ready_to_end_s"] / step["steps"],
                 "buckets_launched_in_backward_per_step": red["buckets_launched_in_backward"] / step["steps"],
+                # every phase of the token exchange (the hierarchical dispatcher's cross-node stage is "*_inter")
+                "phases_per_step": {p: {key: sum(v[p][key] for k, v in stats.items() if k != "gradient_reduction")
+                                        // step["steps"] for key in ("remote_rows_sent", "remote_bytes_sent")}
+                                    for p in PHASES},
             }
         # one profiled step: time with a gloo collective in flight, and where the rest goes. Memory figures are
         # taken before it, and the limit lifted for it: the profiler's own event records are not training.
@@ -836,6 +925,8 @@ def worker(job_path: str) -> None:
         rec["grad_bytes"] = _nbytes(p.grad for p in model.parameters() if p.grad is not None)
         rec["optimizer_bytes"] = _nbytes(t for s in opt.state.values() for t in s.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0)
+        if step.get("save_to"):
+            model.save_pretrained(step["save_to"])  # collective: the experts are gathered; rank 0 writes
         rec["phase"] = "done"
         dist.barrier()
         dist.destroy_process_group()

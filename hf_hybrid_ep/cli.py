@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-seconds", type=float, default=10.0, help="time budget of --calibrate, in (0, 30]")
     p.add_argument("--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s for the "
                    "optimizer term (default 3350: H100 SXM)")
+    p.add_argument("--dispatcher", choices=["auto", "torch", "hierarchical"], default="auto",
+                   help="the token exchange to model, as HybridEPConfig.dispatcher (auto, like the engine: "
+                   "hierarchical where an EP group spans nodes, one row per token and expert elsewhere)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                           device_flops=calibration["flops_per_s"] if calibration else (
                               None if args.device_tflops is None else args.device_tflops * 1e12),
                           efficiency=1.0 if calibration else args.efficiency, memory_gbps=args.memory_gbps,
-                          calibration=calibration)
+                          calibration=calibration, dispatcher=args.dispatcher)
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "place":
             _place(args)

@@ -300,7 +300,7 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
          micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw", optimizer_sharding: str = "none",
          dense_sharding: str = "replicate", *, trust_remote_code: bool = False, tokens_per_step: int | None = None,
          device_flops: float | None = None, efficiency: float | None = None, memory_gbps: float | None = None,
-         calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+         calibration: dict[str, Any] | None = None, dispatcher: str = "auto") -> dict[str, Any]:
     """Every dp × ep layout of ``gpus`` GPUs: memory, communication, predicted step time, fit; the
     recommended layout (the fastest predicted that fits, with activation checkpointing where only that
     fits; a tie goes to less memory) and the fastest hybrid against pure EP.
@@ -309,7 +309,8 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
     of a GPU; default H100 bf16, 989e12), ``efficiency`` (default 0.4) and ``memory_gbps`` (default
     3350) feed :func:`hf_hybrid_ep.step_time.predict_step_time`; ``calibration`` (a
     :class:`~hf_hybrid_ep.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
-    from ``topology``. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
+    from ``topology``. ``dispatcher`` (as ``HybridEPConfig.dispatcher``) decides how the token exchange is
+    modelled: ``"auto"`` and ``"hierarchical"`` count node-deduplicated rows where an EP group spans nodes. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
     from .step_time import DEFAULT_EFFICIENCY, H100_BF16_FLOPS, H100_MEMORY_GBPS, check_step_inputs
 
     if recipe not in RECIPES:
@@ -342,7 +343,7 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
             counts, p.dp, p.ep, topo, tokens_per_step=tokens_per_step, micro_batch=micro_batch, seq_len=seq_len,
             activation_checkpointing=not p.fits and p.fits_with_checkpointing, device_flops=device_flops,
             efficiency=efficiency, memory_gbps=memory_gbps, optimizer_sharding=optimizer_sharding,
-            dense_sharding=dense_sharding, recipe=recipe)
+            dense_sharding=dense_sharding, recipe=recipe, dispatcher=dispatcher)
     fitting = [p for p in layouts if p.fits_with_checkpointing]
     best = min(fitting, key=lambda p: (p.step_time.step_s, _memory_used(p)), default=None)
     result: dict[str, Any] = {
@@ -351,6 +352,7 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
         "optimizer_sharding": optimizer_sharding, "dense_sharding": dense_sharding,
         "step_time_model": {
             "tokens_per_step": tokens_per_step, "device_flops": device_flops, "efficiency": efficiency,
+            "dispatcher": dispatcher,
             "effective_flops": device_flops * efficiency, "memory_gbps": memory_gbps, "sources": sources,
             "calibration": calibration,
             "links": {"source": "topology spec", "intra_node_gbps": topo.nvlink_gbps,
@@ -467,6 +469,11 @@ def format_plan(result: dict[str, Any]) -> str:
                  f"(intra-node {links['intra_node_gbps']:g}, inter-node {links['inter_node_gbps']:g}, cross-rack "
                  f"{links['cross_rack_gbps']:g} GB/s per GPU); optimizer at {model['memory_gbps']:g} GB/s memory "
                  f"({src['memory_gbps']})")
+    deduplicated = [f"{p['dp']} × {p['ep']}" for p in result["layouts"]
+                    if p["step_time"].get("dispatcher") == "hierarchical"]
+    lines.append(f"token exchange as dispatcher={model.get('dispatcher', 'torch')!r}: "
+                 + (f"node-deduplicated (hierarchical) for {', '.join(deduplicated)}, where the EP group spans nodes; "
+                    "one row per token and expert elsewhere" if deduplicated else "one row per token and expert"))
     rec = result["recommended"]
     if rec is None:
         lines.append(result["advice"]["message"])

@@ -31,6 +31,15 @@ Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planner`: ``in
   (the counts exchange of every dispatch and the 4 or 6 token exchanges, per MoE layer and micro-batch)
   also costs ``exchange_overhead_s`` (latency and the wait for the slowest peer; default 0, which suits
   large GPU exchanges; measured on a CPU world it is milliseconds);
+* with the hierarchical dispatcher (``dispatcher="hierarchical"``, or ``"auto"`` when an EP group
+  spans nodes, as the engine chooses), a token crosses to each other node holding one of its experts
+  once: under uniform routing over a contiguous placement a node of ``E_n = E·g/ep`` experts holds
+  one of a token's k distinct experts with probability ``p = 1 − C(E − E_n, k)/C(E, k)``, so
+  ``p · T · H · b_a`` bytes per exchange go to each other node (inter-node or cross-rack by where it
+  sits), and the dispatch carries ``k · (b_a + 2)`` bytes of routing weights and keys per cross-node
+  row, its backward ``k · b_a``. Inside the node the relay forwards every pair not for itself:
+  ``k · T · H · b_a · (g − 1)/g`` bytes. The two stages run one after the other
+  (``a2a s = intra-node s + inter-node s + cross-rack s``) and each exchange is two collectives;
 * gradient reduction, once per step (gradient accumulation reduces on the last micro-batch only):
   dense gradients (``P_dense · b_g``) over the world, expert gradients (``P_experts/ep · b_g``) over
   the EDP group of dp ranks, hierarchical ring all-reduces (a reduce-scatter — half the bytes — with
@@ -137,6 +146,7 @@ class StepTime:
     step_s: float
     tokens_per_s: float  # over the world
     samples_per_s: float  # over the world
+    dispatcher: str = "torch"  # the token exchange modelled: "torch" (one row per pair) or "hierarchical"
 
 
 def _levels(value: float = 0.0) -> Levels:
@@ -188,7 +198,7 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
                       efficiency: float = DEFAULT_EFFICIENCY, memory_gbps: float = H100_MEMORY_GBPS,
                       optimizer_sharding: str = "none", dense_sharding: str = "replicate",
                       recipe: str = "bf16-adamw", a2a_hidden_fraction: float = 0.0,
-                      exchange_overhead_s: float = 0.0) -> StepTime:
+                      exchange_overhead_s: float = 0.0, dispatcher: str = "torch") -> StepTime:
     """Predicted step time of layout ``dp × ep`` (formulas in the module docstring).
 
     Args:
@@ -204,6 +214,9 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         optimizer_sharding, dense_sharding, recipe: as in :func:`hf_hybrid_ep.planner.plan`.
         a2a_hidden_fraction: share of the token exchange hidden behind expert compute (0: none).
         exchange_overhead_s: fixed seconds per exchange collective (latency, waiting for peers).
+        dispatcher: the engine's ``dispatcher`` setting: ``"hierarchical"`` (and ``"auto"``) model the
+            node-deduplicating exchange where the EP group spans nodes; ``"torch"`` / ``"triton"`` one row
+            per (token, expert).
     """
     topo = Topology.of(topology)
     world = dp * ep
@@ -242,13 +255,20 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
     exchanges = 6 if activation_checkpointing else 4
     routed = counts.top_k * tokens * counts.hidden * b_a * counts.moe_layers * exchanges
     a2a = _levels()
-    if ep > 1:
-        g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
+    g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
+    hierarchical = dispatcher in ("auto", "hierarchical") and ep > g
+    if hierarchical:
+        a2a = _node_deduplicated_bytes(counts, tokens, ep, g, in_rack, b_a, activation_checkpointing)
+    elif ep > 1:
         a2a = {"intra_node": routed * (g - 1) / ep, "inter_node": routed * (in_rack - g) / ep,
                "cross_rack": routed * (ep - in_rack) / ep}
     a2a_by_level = _seconds(a2a, topo)
-    a2a_s = max(a2a_by_level["intra_node"], a2a_by_level["inter_node"] + a2a_by_level["cross_rack"])
-    if ep > 1:
+    if hierarchical:  # stage 1 between the nodes, then stage 2 inside them
+        a2a_s = sum(a2a_by_level.values())
+        a2a_s += (2 * exchanges + 1) * counts.moe_layers * micro_batches * exchange_overhead_s
+    else:
+        a2a_s = max(a2a_by_level["intra_node"], a2a_by_level["inter_node"] + a2a_by_level["cross_rack"])
+    if ep > 1 and not hierarchical:
         a2a_s += (exchanges + 1) * counts.moe_layers * micro_batches * exchange_overhead_s
     a2a_hidden = a2a_s * a2a_hidden_fraction
 
@@ -295,8 +315,26 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         zero1_dense_gather_bytes=zero_dense, zero1_expert_gather_bytes=zero_expert, zero1_gather_s=zero_s,
         fsdp_gather_bytes=fsdp, fsdp_gather_s=fsdp_s, optimizer_params=updated, optimizer_bytes_touched=touched,
         optimizer_s=optimizer_s, exposed_comm_s=exposed, step_s=step_s, tokens_per_s=tokens_per_step / step_s,
-        samples_per_s=tokens_per_step / seq_len / step_s,
+        samples_per_s=tokens_per_step / seq_len / step_s, dispatcher="hierarchical" if hierarchical else "torch",
     )
+
+
+def node_hit_probability(num_experts: int, experts_on_node: int, top_k: int) -> float:
+    """Probability that a node holding ``experts_on_node`` of ``num_experts`` experts holds at least one of
+    a token's ``top_k`` distinct experts, drawn uniformly: ``1 − C(E − E_n, k) / C(E, k)``."""
+    return 1.0 - math.comb(num_experts - experts_on_node, top_k) / math.comb(num_experts, top_k)
+
+
+def _node_deduplicated_bytes(counts: ModelCounts, tokens: int, ep: int, g: int, in_rack: int, b_a: int,
+                             activation_checkpointing: bool) -> Levels:
+    """Bytes per rank and step of the hierarchical dispatcher (module docstring), by link level."""
+    exchanges = 6 if activation_checkpointing else 4
+    p = node_hit_probability(counts.num_experts, counts.num_experts * g // ep, counts.top_k)
+    metadata = counts.top_k * ((b_a + 2) * (2 if activation_checkpointing else 1) + b_a)  # per row and layer
+    per_node = p * tokens * counts.moe_layers * (counts.hidden * b_a * exchanges + metadata)
+    pairs = counts.top_k * tokens * counts.hidden * b_a * counts.moe_layers * exchanges
+    return {"intra_node": pairs * (g - 1) / g, "inter_node": per_node * (in_rack // g - 1),
+            "cross_rack": per_node * ((ep - in_rack) // g)}
 
 
 def _cross(split: Levels) -> float:

@@ -181,8 +181,11 @@ def test_tiny_model_on_an_emulated_two_node_fabric() -> None:
     assert s.samples_per_s == pytest.approx(8 / s.step_s, rel=1e-12)
 
 
+# the reference runs' T* and hybrid / pure-EP ratio are defined for the dispatcher that sends one row per
+# (token, expert): --dispatcher torch (the default, auto, models the hierarchical one where EP spans nodes)
 PLAN = ["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "16", "--gpu-memory-gb", "80", "--topology", QWEN_TOPO,
-        "--tokens-per-step", str(TOKENS), "--device-tflops", "989", "--efficiency", "0.4", "--optimizer-sharding", "zero1"]
+        "--tokens-per-step", str(TOKENS), "--device-tflops", "989", "--efficiency", "0.4", "--optimizer-sharding", "zero1",
+        "--dispatcher", "torch"]
 
 
 def test_plan_prints_step_time_and_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
@@ -275,3 +278,28 @@ def test_calibrate_is_short_and_says_links_come_from_the_spec(tmp_path: Path, ca
     assert "measured on this machine (--calibrate" in format_plan(result)
     assert "links from the topology spec, not measured: not inside a launched world (intra-node 300" in \
         format_plan(result)
+
+
+def test_hierarchical_dispatcher_terms_match_a_hand_computation(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen3-30B-A3B, pure EP 16 over 2 nodes of 8: a node holds 64 of the 128 experts, so a token's 8 experts
+    # miss it with probability C(64, 8)/C(128, 8); one row per token and other node instead of one per pair
+    m = counts("Qwen/Qwen3-30B-A3B")
+    T, H, L, k, b = TOKENS // 16, m.hidden, m.moe_layers, m.top_k, 2
+    p = 1 - math.comb(64, 8) / math.comb(128, 8)
+    s = predict_step_time(m, 1, 16, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, device_flops=PEAK,
+                          efficiency=0.4, dispatcher="hierarchical")
+    assert s.dispatcher == "hierarchical"
+    assert s.a2a_bytes["inter_node"] == pytest.approx(p * T * L * (4 * H * b + k * ((b + 2) + b)), rel=1e-12)
+    assert s.a2a_bytes["intra_node"] == pytest.approx(k * T * H * b * L * 4 * 7 / 8, rel=1e-12)
+    assert s.a2a_s == pytest.approx(s.a2a_bytes["intra_node"] / NVLINK + s.a2a_bytes["inter_node"] / NIC, rel=1e-12)
+    plain = predict_step_time(m, 1, 16, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, device_flops=PEAK,
+                              efficiency=0.4)
+    assert plain.dispatcher == "torch" and plain.a2a_bytes["inter_node"] == pytest.approx(k * T * H * b * L * 4 / 2)
+    assert s.a2a_bytes["inter_node"] / plain.a2a_bytes["inter_node"] == pytest.approx(0.25, abs=0.002)
+    auto = predict_step_time(m, 2, 8, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, dispatcher="auto")
+    assert auto.dispatcher == "torch"  # EP 8 inside a node: nothing to deduplicate
+    assert cli(PLAN[:-2] + ["--json"]) == 0  # plan's default, auto, mirrors the engine
+    layouts = {(q["dp"], q["ep"]): q["step_time"] for q in json.loads(capsys.readouterr().out)["layouts"]}
+    assert layouts[(1, 16)]["dispatcher"] == "hierarchical" and layouts[(2, 8)]["dispatcher"] == "torch"
+    assert cli(PLAN[:-2]) == 0
+    assert "node-deduplicated (hierarchical) for 1 × 16, where the EP group spans nodes" in capsys.readouterr().out

@@ -23,8 +23,9 @@ the source adds its node rows' partial sums (and its shadows' outputs). Autograd
 reverse, so the backward crosses nodes once per node row as well.
 
 The cross-node rows of one direction are therefore the node-deduplicated sends that
-:func:`hf_hybrid_ep.placement.trace_traffic` predicts; each costs ``k · (weight bytes + 4)`` bytes of
-metadata beyond the activations in the dispatch (none in the combine).
+:func:`hf_hybrid_ep.placement.trace_traffic` predicts; each costs ``k · (weight bytes + 2)`` bytes of
+(int16 keys while ``G · slots < 2¹⁵``) metadata beyond the activations in the dispatch, ``k`` weight
+gradients in its backward, none in the combine.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class HierarchicalHandle(DispatchHandle):
         token_of_row: ``[R]`` the token of each node row sent, rows ordered by node, then token.
         row_of: ``[T, N]`` the node row of (token, node), −1 when the token has no pair there.
         row_mask: ``[R, k]`` which of the token's pairs are on the row's node.
-        row_keys: ``[R, k]`` int32 ``local index · slots + slot`` of those pairs, −1 elsewhere.
+        row_keys: ``[R, k]`` ``local index · slots + slot`` of those pairs, −1 elsewhere (int16 when it
+            fits, else int32).
         relay / relay_weights: filled when stage 1 arrives: the relay's handle over the received node
             rows (its tokens), and their ``[R1, k]`` routing weights.
     """
@@ -225,7 +227,8 @@ class HierarchicalDispatcher(TorchDispatcher):
         shadow = torch.zeros_like(valid) if shadow_slot_of is None else valid & (shadow_slot_of[safe] >= 0)
         sent = (valid & ~shadow).view(num_tokens, k)
         node = (dest_rank // g.per_node).view(num_tokens, k)
-        local_key = ((dest_rank % g.per_node) * slots + dest_slot).view(num_tokens, k).to(torch.int32)
+        key_dtype = torch.int16 if g.per_node * slots < 2**15 else torch.int32  # metadata bytes on the wire
+        local_key = ((dest_rank % g.per_node) * slots + dest_slot).view(num_tokens, k).to(key_dtype)
         bins = ep * slots + 1
         chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
         for c, (a, _) in enumerate(spans[1:], start=1):
