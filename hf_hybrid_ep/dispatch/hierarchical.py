@@ -190,6 +190,18 @@ def _exchange_bytes(packed: torch.Tensor, send_splits: list[int], recv_splits: l
     return out
 
 
+@dataclass(frozen=True)
+class _Routes:
+    """Where this rank's ``[T, k]`` pairs go: ``sent`` (not dropped, not kept for a shadow), the destination
+    ``node`` and ``local_key`` (``local index · slots + slot``), the shadow mask and expert ids (``[T·k]``)."""
+
+    sent: torch.Tensor
+    node: torch.Tensor
+    local_key: torch.Tensor
+    shadow: torch.Tensor
+    flat: torch.Tensor
+
+
 class HierarchicalDispatcher(TorchDispatcher):
     """Node-deduplicating token exchange for an EP group that spans several nodes (see the module doc).
 
@@ -209,51 +221,25 @@ class HierarchicalDispatcher(TorchDispatcher):
     def plan_chunks(self, top_k_index: torch.Tensor, spans: list[tuple[int, int]],
                     shadow_slot_of: torch.Tensor | None = None,
                     control: torch.Tensor | None = None) -> list[HierarchicalHandle]:
-        """Route every pair, find each span's node rows, and exchange all counts in one message.
-
-        Message from this rank to EP rank d, per span: this rank's pair counts for every (local index, slot)
-        of d's node (stride ``max_slots``), then the node rows it sends to d's node; the control integers
-        last. Every rank of a node receives the same block: as a relay it reads all of it, as a destination
-        its own counts.
-        """
+        """Route every pair, find each span's node rows, and exchange all counts in one message (one
+        collective over the EP group, one host read)."""
         num_tokens, k = top_k_index.shape
-        g = self.groups
-        ep, slots, stride = self.table.ep_degree, self.table.slots_per_rank, self.max_slots
-        device = top_k_index.device
+        g, device = self.groups, top_k_index.device
         flat = top_k_index.reshape(-1).long()
         valid = (flat >= 0) & (flat < self.table.num_experts)
         safe = torch.where(valid, flat, torch.zeros_like(flat))
         dest_rank, dest_slot = self.table.route(safe, self.ep_rank)
         shadow = torch.zeros_like(valid) if shadow_slot_of is None else valid & (shadow_slot_of[safe] >= 0)
-        sent = (valid & ~shadow).view(num_tokens, k)
-        node = (dest_rank // g.per_node).view(num_tokens, k)
-        key_dtype = torch.int16 if g.per_node * slots < 2**15 else torch.int32  # metadata bytes on the wire
-        local_key = ((dest_rank % g.per_node) * slots + dest_slot).view(num_tokens, k).to(key_dtype)
-        bins = ep * slots + 1
-        chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
-        for c, (a, _) in enumerate(spans[1:], start=1):
-            chunk[a:] = c
-        key = torch.where(sent.reshape(-1), dest_rank * slots + dest_slot, ep * slots) + chunk.repeat_interleave(k) * bins
-        pair_count = torch.zeros(len(spans) * bins, dtype=torch.long, device=device)
-        pair_count.scatter_add_(0, key, torch.ones_like(key))
-        pair_count = pair_count.view(len(spans), bins)
-        message = torch.zeros(g.nodes, len(spans) * self.block + CONTROL_INTS, dtype=torch.long, device=device)
-        grids, shadow_orders = [], []
-        for c, (a, b) in enumerate(spans):
-            tokens = b - a
-            cell = torch.where(sent[a:b], node[a:b] * tokens + torch.arange(tokens, device=device).unsqueeze(1),
-                               g.nodes * tokens)
-            grid = torch.zeros(g.nodes * tokens + 1, dtype=torch.bool, device=device)
-            grid.index_fill_(0, cell.reshape(-1), True)
-            grids.append(grid[:-1])  # [nodes · tokens], node-major: does token t have a pair on node n
-            block = message[:, c * self.block : (c + 1) * self.block]
-            block[:, : g.per_node * stride].view(g.nodes, g.per_node, stride)[:, :, :slots] = (
-                pair_count[c, : ep * slots].view(g.nodes, g.per_node, slots))
-            block[:, -1] = grids[-1].view(g.nodes, tokens).sum(1)
-            shadow_orders.append(torch.sort((~shadow[a * k : b * k]).to(torch.int8), stable=True)[1])
+        routes = _Routes(
+            sent=(valid & ~shadow).view(num_tokens, k), node=(dest_rank // g.per_node).view(num_tokens, k),
+            # metadata bytes on the wire: int16 keys while they fit
+            local_key=((dest_rank % g.per_node) * self.table.slots_per_rank + dest_slot).view(num_tokens, k).to(
+                torch.int16 if g.per_node * self.table.slots_per_rank < 2**15 else torch.int32),
+            shadow=shadow, flat=flat)
+        message, grids = self._counts_message(routes, dest_rank * self.table.slots_per_rank + dest_slot, spans)
         if control is not None:
             message[:, -CONTROL_INTS:] = control.to(device)
-        received = torch.empty(ep, message.shape[1], dtype=torch.long, device=device)
+        received = torch.empty(self.table.ep_degree, message.shape[1], dtype=torch.long, device=device)
         outgoing = message.repeat_interleave(g.per_node, dim=0)  # EP rank d gets its node's row
         if self.ep_group is None:
             received.copy_(outgoing)
@@ -262,47 +248,82 @@ class HierarchicalDispatcher(TorchDispatcher):
         num_shadow = torch.stack([shadow[a * k : b * k].sum() for a, b in spans])
         node_rows = message[:, [c * self.block + self.block - 1 for c in range(len(spans))]].T.reshape(-1)
         host = host_ints(torch.cat([num_shadow, node_rows, received.reshape(-1)]))
-        chunks, width = len(spans), message.shape[1]
-        shadows_host, sends_host = host[:chunks], host[chunks : chunks + chunks * g.nodes]
-        recv_host = host[chunks + chunks * g.nodes :]
-        peer_control = [tuple(recv_host[r * width + width - CONTROL_INTS : (r + 1) * width]) for r in range(ep)]
-        relayed = [n * g.per_node + g.local for n in range(g.nodes)]  # the sources this rank relays for
-        slot_ids = torch.arange(slots, device=device).repeat(g.per_node)
-        recv_view = received.view(g.nodes, g.per_node, width)
-        handles = []
+        chunks, nodes = len(spans), g.nodes
+        recv_host = host[chunks + chunks * nodes :]
+        width = message.shape[1]
+        peer_control = [tuple(recv_host[r * width + width - CONTROL_INTS : (r + 1) * width])
+                        for r in range(self.table.ep_degree)]
+        return [self._span_handle(routes, span, c, grids[c], host[c], host[chunks + c * nodes : chunks + (c + 1) * nodes],
+                                  recv_host, received, width, shadow_slot_of, peer_control)
+                for c, span in enumerate(spans)]
+
+    def _counts_message(self, routes: _Routes, pair_dest: torch.Tensor,
+                        spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``[nodes, spans · block + CONTROL_INTS]`` int64: per node and span, this rank's pair counts for every
+        (local index, slot) of the node (stride ``max_slots``), then the node rows it sends there; and per
+        span the ``[nodes · tokens]`` node-major grid of which tokens have a pair on which node. Every rank
+        of a node receives the node's row: as a relay it reads all of it, as a destination its own counts."""
+        g, device = self.groups, pair_dest.device
+        ep, slots, stride = self.table.ep_degree, self.table.slots_per_rank, self.max_slots
+        num_tokens, k = routes.sent.shape
+        bins = ep * slots + 1
+        chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        for c, (a, _) in enumerate(spans[1:], start=1):
+            chunk[a:] = c
+        key = torch.where(routes.sent.reshape(-1), pair_dest, ep * slots) + chunk.repeat_interleave(k) * bins
+        pair_count = torch.zeros(len(spans) * bins, dtype=torch.long, device=device)
+        pair_count.scatter_add_(0, key, torch.ones_like(key))
+        pair_count = pair_count.view(len(spans), bins)
+        message = torch.zeros(g.nodes, len(spans) * self.block + CONTROL_INTS, dtype=torch.long, device=device)
+        grids = []
         for c, (a, b) in enumerate(spans):
-            off, tokens = c * self.block, b - a
+            tokens = b - a
+            cell = torch.where(routes.sent[a:b],
+                               routes.node[a:b] * tokens + torch.arange(tokens, device=device).unsqueeze(1),
+                               g.nodes * tokens)
+            grid = torch.zeros(g.nodes * tokens + 1, dtype=torch.bool, device=device)
+            grid.index_fill_(0, cell.reshape(-1), True)
+            grids.append(grid[:-1])
+            block = message[:, c * self.block : (c + 1) * self.block]
+            block[:, : g.per_node * stride].view(g.nodes, g.per_node, stride)[:, :, :slots] = (
+                pair_count[c, : ep * slots].view(g.nodes, g.per_node, slots))
+            block[:, -1] = grids[-1].view(g.nodes, tokens).sum(1)
+        return message, grids
 
-            def at(rank: int, col: int, _off=off) -> int:
-                return recv_host[rank * width + _off + col]
+    def _span_handle(self, routes: _Routes, span: tuple[int, int], c: int, grid: torch.Tensor, num_shadow: int,
+                     node_send: list[int], recv_host: list[int], received: torch.Tensor, width: int,
+                     shadow_slot_of: torch.Tensor | None, peer_control: list) -> HierarchicalHandle:
+        """The handle of span ``c`` from the exchanged counts (host ints) and this rank's routes."""
+        g, (a, b) = self.groups, span
+        slots, stride, k = self.table.slots_per_rank, self.max_slots, routes.sent.shape[1]
+        off, tokens = c * self.block, b - a
 
-            node_send = sends_host[c * g.nodes : (c + 1) * g.nodes]
-            node_recv = [at(s, self.block - 1) for s in relayed]
-            relay_send = [sum(at(s, lo * stride + sl) for s in relayed for sl in range(slots))
-                          for lo in range(g.per_node)]
-            recv_counts_host = [sum(at(n * g.per_node + src, g.local * stride + sl) for n in range(g.nodes))
-                                for src in range(g.per_node) for sl in range(slots)]
-            recv_splits = [sum(recv_counts_host[src * slots : (src + 1) * slots]) for src in range(g.per_node)]
-            col = off + g.local * stride
-            recv_counts = recv_view[:, :, col : col + slots].sum(0).reshape(-1)
-            local_slot = torch.repeat_interleave(slot_ids, recv_counts, output_size=sum(recv_splits))
-            grid = grids[c]
-            cells = torch.sort((~grid).to(torch.int8), stable=True)[1][: sum(node_send)]
-            token_of_row, node_of_row = cells % tokens, cells // tokens
-            row_of = torch.where(grid, torch.cumsum(grid, 0) - 1, -1).view(g.nodes, tokens).T.contiguous()
-            row_mask = sent[a:b][token_of_row] & (node[a:b][token_of_row] == node_of_row.unsqueeze(1))
-            row_keys = torch.where(row_mask, local_key[a:b][token_of_row], -1)
-            shadow_slot = None
-            if shadows_host[c]:
-                order = shadow_orders[c][: shadows_host[c]]
-                shadow_slot = shadow_slot_of[flat[order + a * k]]
-            handles.append(HierarchicalHandle(
-                shadow_orders[c], 0, relay_send, recv_splits, tokens, k, local_slot, recv_counts, recv_counts_host,
-                num_shadow=shadows_host[c], shadow_slot=shadow_slot, peer_control=peer_control,
-                node_send=node_send, node_recv=node_recv, token_of_row=token_of_row, row_of=row_of,
-                row_mask=row_mask, row_keys=row_keys,
-            ))
-        return handles
+        def at(rank: int, col: int) -> int:
+            return recv_host[rank * width + off + col]
+
+        relayed = [n * g.per_node + g.local for n in range(g.nodes)]  # the sources this rank relays for
+        node_recv = [at(s, self.block - 1) for s in relayed]
+        relay_send = [sum(at(s, lo * stride + sl) for s in relayed for sl in range(slots)) for lo in range(g.per_node)]
+        recv_counts_host = [sum(at(n * g.per_node + src, g.local * stride + sl) for n in range(g.nodes))
+                            for src in range(g.per_node) for sl in range(slots)]
+        recv_splits = [sum(recv_counts_host[src * slots : (src + 1) * slots]) for src in range(g.per_node)]
+        col = off + g.local * stride
+        recv_counts = received.view(g.nodes, g.per_node, width)[:, :, col : col + slots].sum(0).reshape(-1)
+        slot_ids = torch.arange(slots, device=received.device).repeat(g.per_node)
+        local_slot = torch.repeat_interleave(slot_ids, recv_counts, output_size=sum(recv_splits))
+        cells = torch.sort((~grid).to(torch.int8), stable=True)[1][: sum(node_send)]  # rows: node-major, then token
+        token_of_row, node_of_row = cells % tokens, cells // tokens
+        row_of = torch.where(grid, torch.cumsum(grid, 0) - 1, -1).view(g.nodes, tokens).T.contiguous()
+        sent, node = routes.sent[a:b][token_of_row], routes.node[a:b][token_of_row]
+        row_mask = sent & (node == node_of_row.unsqueeze(1))
+        row_keys = torch.where(row_mask, routes.local_key[a:b][token_of_row], -1)
+        shadow_order = torch.sort((~routes.shadow[a * k : b * k]).to(torch.int8), stable=True)[1]  # shadow pairs first
+        shadow_slot = shadow_slot_of[routes.flat[shadow_order[:num_shadow] + a * k]] if num_shadow else None
+        return HierarchicalHandle(
+            shadow_order, 0, relay_send, recv_splits, tokens, k, local_slot, recv_counts, recv_counts_host,
+            num_shadow=num_shadow, shadow_slot=shadow_slot, peer_control=peer_control, node_send=node_send,
+            node_recv=node_recv, token_of_row=token_of_row, row_of=row_of, row_mask=row_mask, row_keys=row_keys,
+        )
 
     # ------------------------------------------------------------------ dispatch
     def _stage_one(self, hidden: torch.Tensor, handle: HierarchicalHandle, top_k_weights: torch.Tensor) -> torch.Tensor:
