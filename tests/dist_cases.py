@@ -252,19 +252,21 @@ def _grad_diffs(model, ref_params: dict) -> list[float]:
     return diffs
 
 
-def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = torch.float32) -> dict:
+def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = torch.float32,
+                   dispatcher: str = "auto", topology: str | None = None) -> dict:
     """One forward pass of a parallelized model vs the reference on the global batch (ep = world)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         model, ref = _build(model_type, num_experts)
     except SkipModel as err:
         return {"skipped": str(err)}
+    ref32 = copy.deepcopy(ref).eval() if dtype != torch.float32 else None
     model.to(dtype)
     ref.to(dtype)
     model.eval()
     ref.eval()
     batch = tiny_inputs(ref, BATCH_PER_RANK * world, SEQ, torch.Generator().manual_seed(7), exercise_all_experts=True)
-    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world, dispatcher=dispatcher, topology=topology))
     with torch.no_grad():
         out = model(**_rank_slice(batch, rank))
         ref_out = ref(**batch)
@@ -273,7 +275,7 @@ def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = t
     got, want = getattr(out, key), getattr(ref_out, key)[lo:hi]
     stats = hep.comm_stats(model)
     remote = sum(v["dispatch"]["remote_rows_sent"] for k, v in stats.items() if k != "gradient_reduction")
-    spread = None
+    spread = fp32_distance = None
     if dtype != torch.float32:  # the round-off of equally correct computations in this dtype, measured
         alt = copy.deepcopy(ref)
         alt.set_experts_implementation("batched_mm")
@@ -282,7 +284,10 @@ def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = t
                             getattr(alt(**batch), key)[lo:hi]]  # another GEMM kernel for the experts
         values = [want, *alternatives]
         spread = max(_rel(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
-    return {"rel": _rel(got, want), "spread": spread, "layers": len(hep.state_of(model).layers), "remote_rows": remote}
+        with torch.no_grad():  # how far this dtype's reference is from the fp32 computation
+            fp32_distance = _rel(want.float(), getattr(ref32(**batch), key)[lo:hi])
+    return {"rel": _rel(got, want), "spread": spread, "fp32_distance": fp32_distance,
+            "layers": len(hep.state_of(model).layers), "remote_rows": remote}
 
 
 def parameter_bytes(model_type: str, dp: int, ep: int, num_experts: int) -> dict:
