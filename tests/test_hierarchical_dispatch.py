@@ -31,7 +31,8 @@ def test_training_parity_one_rank_per_node(pools, layout, topology):
 
 
 def test_training_parity_with_replicas_across_nodes(pools):
-    # every expert on two ranks, one per node for experts 0 and 1: some pairs stay home, some cross
+    # every expert on two ranks, one on each node: a pair stays on its source when that holds the expert,
+    # else goes to a replica chosen by position, on either node
     placement = [[0, 1], [2, 3], [3, 0], [1, 2]]
     parity.assert_faithful(pools(4).run(cases.train_parity, "mixtral", 1, 4, 4, placement=placement,
                                         dispatcher="hierarchical", topology=TWO_NODES))
