@@ -77,7 +77,9 @@ def test_sends_each_token_once_per_remote_node(pools, top_k, capacity):
                            capacity_factor=capacity)
     for rank, r in enumerate(results):
         assert r["kinds"] == ["HierarchicalDispatcher"], r
-        assert r["logits_rel"] <= 1e-6 and r["grad_rel"] <= 1e-5, (rank, r)
+        # the parity suite's per-tensor tolerance (measured: logits ≤ 9.4e-8, gradients ≤ 3.3e-7; the sums
+        # over a token's pairs are grouped by node)
+        assert r["logits_rel"] <= cases.REL_TOL and r["grad_rel"] <= cases.REL_TOL, (rank, r)
         rows = r["phase_rows"]
         # exact: without replicas the routing decides the destination nodes
         assert rows["dispatch_inter"] == rows["combine_inter_backward"] == r["predicted_cross_node_rows"] > 0, r
