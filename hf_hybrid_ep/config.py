@@ -359,12 +359,10 @@ class HybridEPConfig:
             num_experts: routed experts per MoE layer ``E``.
             local_world_size: ranks per node; defaults to ``LOCAL_WORLD_SIZE`` or the world size.
         """
-        if local_world_size is None and self.topology:
-            from .topology import Topology
-
-            local_world_size = min(Topology.parse(self.topology).gpus_per_node, world_size)
         if local_world_size is None:
-            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            from .topology import ranks_per_node
+
+            local_world_size = ranks_per_node(self.topology, world_size)
         dp, ep = self.dp_degree, self.ep_degree
         rows = placement_row_count(self.placement)
         if dp is None and ep is None:

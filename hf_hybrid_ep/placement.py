@@ -477,10 +477,11 @@ def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology
         for i, index in enumerate(indices):
             index = np.asarray(index).reshape(len(index), -1)
             index = np.where(index >= 0, index, table.num_experts)
-            for s in range(ep) if sources is None else [int(sources[i])]:
+            senders = range(ep) if sources is None else [int(sources[i])]
+            for s in senders:
                 touched = 1.0 - np.prod(1.0 - q[s][index], axis=1)  # [T, groups]
                 remote = np.arange(q.shape[2]) != of[s]
-                out[key] += float(touched[:, remote].sum()) / (ep if sources is None else 1)
+                out[key] += float(touched[:, remote].sum()) / len(senders)
     out["tokens"] = int(sum(len(i) for i in indices))
     return out
 

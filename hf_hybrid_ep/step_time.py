@@ -263,13 +263,12 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         a2a = {"intra_node": routed * (g - 1) / ep, "inter_node": routed * (in_rack - g) / ep,
                "cross_rack": routed * (ep - in_rack) / ep}
     a2a_by_level = _seconds(a2a, topo)
-    if hierarchical:  # stage 1 between the nodes, then stage 2 inside them
-        a2a_s = sum(a2a_by_level.values())
-        a2a_s += (2 * exchanges + 1) * counts.moe_layers * micro_batches * exchange_overhead_s
+    if hierarchical:  # stage 1 between the nodes, then stage 2 inside them: two collectives per exchange
+        a2a_s, collectives = sum(a2a_by_level.values()), 2 * exchanges + 1
     else:
         a2a_s = max(a2a_by_level["intra_node"], a2a_by_level["inter_node"] + a2a_by_level["cross_rack"])
-    if ep > 1 and not hierarchical:
-        a2a_s += (exchanges + 1) * counts.moe_layers * micro_batches * exchange_overhead_s
+        collectives = exchanges + 1 if ep > 1 else 0
+    a2a_s += collectives * counts.moe_layers * micro_batches * exchange_overhead_s
     a2a_hidden = a2a_s * a2a_hidden_fraction
 
     # gradient reduction (all-reduce, or reduce-scatter: half the bytes)

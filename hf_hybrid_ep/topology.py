@@ -22,6 +22,7 @@ them), inside one rack when it fits in one.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +146,14 @@ class Topology:
         per_rack = f"{self.nodes_per_rack} nodes/rack × " if self.nodes_per_rack else ""
         return (f"{racks}{per_rack}{self.gpus_per_node} GPUs/node; {self.intra_node} {self.nvlink_gbps:g} GB/s, "
                 f"{self.inter_node} {self.network_gbps:g} GB/s, cross-rack {self.rack_gbps:g} GB/s")
+
+
+def ranks_per_node(topology: Topology | str | None, world_size: int) -> int:
+    """Ranks of one node in a world of ``world_size``: the topology's ``gpus_per_node`` when one is given,
+    else ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate launch), else the whole world; at most the world."""
+    if topology:
+        return min(Topology.of(topology).gpus_per_node, world_size)
+    return min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
 
 
 @dataclass(frozen=True)

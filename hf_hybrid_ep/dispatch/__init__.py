@@ -7,9 +7,8 @@ error, never a silent fallback.
 
 from __future__ import annotations
 
-import os
-
 from ..config import HybridEPConfigError
+from ..topology import ranks_per_node
 from .hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
 from .stats import CommStats, PhaseCounters
 from .table import PlacementTable
@@ -19,21 +18,13 @@ from .triton_backend import TritonDispatcher, register_experts_implementation, t
 BACKENDS = {"torch": TorchDispatcher, "triton": TritonDispatcher, "hierarchical": HierarchicalDispatcher}
 
 
-def ranks_per_node(mesh) -> int:
-    """Ranks of one node: the topology's ``gpus_per_node`` when the mesh has a topology, else
-    ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate launch), else the whole world."""
-    if mesh.topology is not None:
-        return min(mesh.topology.gpus_per_node, mesh.world_size)
-    return min(int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)), mesh.world_size)
-
-
 def ep_nodes(mesh) -> int:
     """Nodes one EP group spans (1 when it fits in a node).
 
     Raises:
         HybridEPConfigError: when the EP group spans nodes without filling whole nodes.
     """
-    per_node = ranks_per_node(mesh)
+    per_node = ranks_per_node(mesh.topology, mesh.world_size)
     if mesh.ep_degree <= per_node:
         return 1
     if mesh.ep_degree % per_node:
@@ -83,7 +74,7 @@ def make_dispatcher(
     if backend == "triton":
         return TritonDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, control_width, alignment=alignment)
     if backend == "hierarchical":
-        return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, node_groups(mesh, ranks_per_node(mesh)),
+        return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, node_groups(mesh, ranks_per_node(mesh.topology, mesh.world_size)),
                                       control_width)
     return TorchDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, control_width)
 
@@ -101,7 +92,6 @@ __all__ = [
     "choose_backend",
     "ep_nodes",
     "make_dispatcher",
-    "ranks_per_node",
     "register_experts_implementation",
     "resolve_backend",
 ]

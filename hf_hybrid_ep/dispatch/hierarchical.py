@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .alltoall import AsyncExchange, all_to_all, all_to_all_async
+from .alltoall import AsyncExchange, _exchange, all_to_all, all_to_all_async
 from .stats import CommStats
 from .table import PlacementTable
 from .torch_backend import CONTROL_INTS, DispatchHandle, TorchDispatcher, host_ints, weighted_gather
@@ -157,7 +157,7 @@ class _PackedExchange(torch.autograd.Function):
         packed = torch.cat([_as_bytes(rows), _as_bytes(weights), _as_bytes(keys)], dim=1)
         if stats is not None:
             stats.record("dispatch_inter", send_splits, recv_splits, self_index, packed.shape[1])
-        out = _exchange_bytes(packed, send_splits, recv_splits, group)
+        out = _exchange(packed, send_splits, recv_splits, group)
         cols = [rows.shape[1] * rows.element_size(), weights.shape[1] * weights.element_size()]
         keys_out = _from_bytes(out[:, cols[0] + cols[1] :], keys.dtype, keys.shape[1])
         ctx.mark_non_differentiable(keys_out)
@@ -174,20 +174,10 @@ class _PackedExchange(torch.autograd.Function):
         packed = torch.cat([_as_bytes(grad_rows.to(row_dtype)), _as_bytes(grad_weights.to(w_dtype))], dim=1)
         if stats is not None:
             stats.record("dispatch_inter_backward", recv_splits, send_splits, self_index, packed.shape[1])
-        out = _exchange_bytes(packed, recv_splits, send_splits, group)
-        cut = width * torch.empty((), dtype=row_dtype).element_size()
+        out = _exchange(packed, recv_splits, send_splits, group)
+        cut = width * row_dtype.itemsize
         return (_from_bytes(out[:, :cut], row_dtype, width), _from_bytes(out[:, cut:], w_dtype, k),
                 None, None, None, None, None, None)
-
-
-def _exchange_bytes(packed: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                    group: dist.ProcessGroup | None) -> torch.Tensor:
-    out = packed.new_empty((sum(recv_splits), packed.shape[1]))
-    if group is None:
-        out.copy_(packed)
-    else:
-        dist.all_to_all_single(out, packed, recv_splits, send_splits, group=group)
-    return out
 
 
 @dataclass(frozen=True)
@@ -317,8 +307,10 @@ class HierarchicalDispatcher(TorchDispatcher):
         sent, node = routes.sent[a:b][token_of_row], routes.node[a:b][token_of_row]
         row_mask = sent & (node == node_of_row.unsqueeze(1))
         row_keys = torch.where(row_mask, routes.local_key[a:b][token_of_row], -1)
-        shadow_order = torch.sort((~routes.shadow[a * k : b * k]).to(torch.int8), stable=True)[1]  # shadow pairs first
-        shadow_slot = shadow_slot_of[routes.flat[shadow_order[:num_shadow] + a * k]] if num_shadow else None
+        shadow_order, shadow_slot = torch.arange(tokens * k, device=received.device), None
+        if num_shadow:  # shadow pairs first
+            shadow_order = torch.sort((~routes.shadow[a * k : b * k]).to(torch.int8), stable=True)[1]
+            shadow_slot = shadow_slot_of[routes.flat[shadow_order[:num_shadow] + a * k]]
         return HierarchicalHandle(
             shadow_order, 0, relay_send, recv_splits, tokens, k, local_slot, recv_counts, recv_counts_host,
             num_shadow=num_shadow, shadow_slot=shadow_slot, peer_control=peer_control, node_send=node_send,
