@@ -4,7 +4,14 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
 """
 
-from .cache import (
+from . import _compat
+from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
+from .checkpoint.load import from_pretrained
+from .config import HybridEPConfig
+from .dispatch import PlacementTable, register_experts_implementation
+from .errors import HybridEPConfigError
+from .hub import push_to_hub
+from .inference.offload import (
     ExpertCache,
     MemoryStore,
     SafetensorsStore,
@@ -13,27 +20,23 @@ from .cache import (
     offload,
     resize_offload,
 )
-from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
-from .checkpoint.load import from_pretrained
-from .config import HybridEPConfig, HybridEPConfigError
-from .dispatch import PlacementTable, register_experts_implementation
-from .experts import find_experts_modules, is_fused_experts
-from .freeze import ExpertFreezer
-from .grads import clip_grad_norm_, no_sync
-from .hub import push_to_hub
 from .memory import memory_report
-from .mesh import HybridMesh, build_mesh
+from .moe.discovery import find_experts_modules, is_fused_experts
+from .moe.freeze import ExpertFreezer
+from .parallel.grads import clip_grad_norm_, no_sync
+from .parallel.mesh import HybridMesh, build_mesh
+from .parallel.zero import ShardedOptimizer, make_optimizer, shard_optimizer
 from .parallelize import (
     comm_stats,
     full_state_dict,
     parallelize,
     reset_comm_stats,
     routing_step,
-    state_of,
     wait_for_parameters,
 )
-from .zero import ShardedOptimizer, make_optimizer, shard_optimizer
+from .state import state_of
 
+_compat.install()  # the import paths of 0.1 (hf_hybrid_ep.placement, ...) keep working
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 
 __version__ = "0.1.0"

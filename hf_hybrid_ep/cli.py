@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
+from .checkpoint import convert_checkpoint, export_checkpoint
 from .checkpoint.inspect import format_summary, inspect_checkpoint
-from .config import HybridEPConfigError
+from .errors import CheckpointError, HybridEPConfigError
 
 TRUST_REMOTE_CODE_HELP = ("run code the checkpoint's config names (auto_map); off by default: never run code "
                           "from a download you have not read")
@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
 
-    from .planner import __doc__ as memory_model
-    from .step_time import __doc__ as step_model
+    from .planning.planner import __doc__ as memory_model
+    from .planning.step_time import __doc__ as step_model
 
     p = sub.add_parser("plan", help="memory, communication and predicted step time of every dp × ep layout",
                        description=f"{memory_model}\nStep time (hf_hybrid_ep/step_time.py):\n\n{step_model}",
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
-    from .placement import __doc__ as placement_model
+    from .planning.placement import __doc__ as placement_model
 
     p = sub.add_parser("place", help="topology- and co-activation-aware expert placement (with hot-expert replicas)",
                        description=placement_model, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +108,7 @@ def _read_placement(path: str | None) -> list[list[int]] | dict[str, list[list[i
     """The placement in ``placement.json`` (its ``placement`` key: per layer or one table) or a bare JSON table."""
     if path is None:
         return None
-    from .placement import read_placement_file
+    from .planning.placement import read_placement_file
 
     return read_placement_file(path)
 
@@ -161,7 +161,7 @@ def _plan_calibration(args: argparse.Namespace) -> dict | None:
         return None
     from dataclasses import asdict
 
-    from .step_time import calibrate_compute, launched_world
+    from .planning.step_time import calibrate_compute, launched_world
 
     result = asdict(calibrate_compute(args.calibrate_seconds))
     world = launched_world()
@@ -183,8 +183,8 @@ def _place(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from .metrics import read_jsonl
-    from .placement import RoutingStats, place_layers
-    from .topology import Topology
+    from .parallel.topology import Topology
+    from .planning.placement import RoutingStats, place_layers
 
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}")
             print("dropped side state: " + (", ".join(dropped) if dropped else "none"))
         elif args.command == "plan":
-            from .planner import format_plan, plan
+            from .planning.planner import format_plan, plan
 
             recipe = f"{args.precision}-{args.optimizer}"
             if recipe == "fp32-sgd":

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import HybridEPConfigError
+from .parallel.topology import Topology, ranks_per_node
+
 ENV_PREFIX = "HF_HYBRID_EP_"
 
 DISPATCHER_BACKENDS = ("auto", "torch", "triton", "hierarchical")
@@ -22,10 +25,6 @@ PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")
 DENSE_SHARDINGS = ("replicate", "fsdp")
-
-
-class HybridEPConfigError(ValueError):
-    """A hybrid-EP configuration that cannot work; the message names the offending values."""
 
 
 def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, Any]:
@@ -329,7 +328,6 @@ class HybridEPConfig:
         if self.topology is not None:
             if not isinstance(self.topology, str):
                 raise HybridEPConfigError(f"topology={self.topology!r} must be a spec string such as 'gpus_per_node=8'")
-            from .topology import Topology
 
             Topology.parse(self.topology)
         if not isinstance(self.coactivation_stats, bool):
@@ -360,7 +358,6 @@ class HybridEPConfig:
             local_world_size: ranks per node; defaults to ``LOCAL_WORLD_SIZE`` or the world size.
         """
         if local_world_size is None:
-            from .topology import ranks_per_node
 
             local_world_size = ranks_per_node(self.topology, world_size)
         dp, ep = self.dp_degree, self.ep_degree

@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 
 from .checkpoint.format import read_index
-from .checkpoint.safetensors_io import CheckpointError
+from .errors import CheckpointError
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "hybrid_ep_model_card.md"
+TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "hybrid_ep_model_card.md"
 
 
 def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
-    """A ``huggingface_hub.ModelCard`` for the checkpoint, rendered from ``model_cards/``."""
+    """A ``huggingface_hub.ModelCard`` for the checkpoint, rendered from the package's ``model_cards/hybrid_ep_model_card.md``."""
     from huggingface_hub import ModelCard, ModelCardData
 
     if not TEMPLATE.is_file():

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .mesh import local_tensor
-from .parallelize import state_of
+from .parallel.mesh import local_tensor
+from .state import state_of
 
 logger = logging.getLogger("hf_hybrid_ep")
 
@@ -38,7 +38,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _base_class(optimizer: torch.optim.Optimizer) -> str:
-    from .zero import ShardedOptimizer
+    from .parallel.zero import ShardedOptimizer
 
     for cls in type(optimizer).__mro__:
         if cls is not ShardedOptimizer and cls.__name__ in STATE_TENSORS and issubclass(cls, torch.optim.Optimizer):
@@ -110,9 +110,9 @@ def measure(model_type: str = "qwen3_moe", num_experts: int = 4, dp: int | None 
     import torch.distributed as dist
 
     from .config import HybridEPConfig
+    from .parallel.zero import make_optimizer
     from .parallelize import parallelize
-    from .planner import count_parameters, rank_state_bytes
-    from .zero import make_optimizer
+    from .planning.planner import count_parameters, rank_state_bytes
 
     model = _tiny_model(model_type, num_experts, **model_kwargs)
     config = HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding,

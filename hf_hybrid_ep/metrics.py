@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from .config import HybridEPConfigError
-from .parallelize import state_of
-from .placement import rank_loads
+from .errors import HybridEPConfigError
+from .planning.placement import rank_loads
+from .state import state_of
 
 JSONL_NAME = "expert_load.jsonl"
 

@@ -5,44 +5,28 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import InputAgreement
-from .config import HybridEPConfig, HybridEPConfigError
+from .config import HybridEPConfig
 from .dispatch import PlacementTable, choose_backend, resolve_backend
 from .dispatch.table import layer_tables
 from .dispatch.torch_backend import CONTROL_INTS
-from .experts import ExpertParallelLayer, SharedExpertOverlap, check_shardable, find_shared_expert
-from .grads import ExpertBucket, ExpertHome, GradientReducer
-from .mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor
-from .rebalance import Rebalancer
-from .routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
-from .shadow import ShadowManager
+from .errors import HybridEPConfigError
+from .moe.discovery import check_shardable, find_shared_expert
+from .moe.layer import ExpertParallelLayer, SharedExpertOverlap
+from .moe.rebalance import Rebalancer
+from .moe.routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
+from .moe.shadow import ShadowManager
+from .parallel.agreement import InputAgreement
+from .parallel.grads import GradientReducer, expert_homes
+from .parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor
+from .parallel.zero import wait_for_parameters
+from .state import HybridEPState, attach, is_parallelized, state_of
 
 logger = logging.getLogger("hf_hybrid_ep")
-
-
-@dataclass
-class HybridEPState:
-    """What ``parallelize`` attaches to the model as ``model._hybrid_ep``."""
-
-    config: HybridEPConfig
-    mesh: HybridMesh
-    layers: list[ExpertParallelLayer]
-    reducer: GradientReducer
-    optimizer_steps: int = 0
-    shadows: ShadowManager | None = None  # hot-expert shadowing (config.expert_cache)
-    rebalancer: Rebalancer | None = None  # online rebalancing (config.rebalance_*)
-    agreement: InputAgreement | None = None  # bad inputs / layer mismatches seen in the counts exchanges
-
-    def expert_parameter_names(self, model: nn.Module) -> list[str]:
-        """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
-        ids = {id(p) for layer in self.layers for p in layer.expert_parameters()}
-        return [n for n, p in model.named_parameters() if id(p) in ids]
 
 
 def _world() -> tuple[int, int]:
@@ -70,40 +54,6 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
                     f"parameter {name!r} differs between rank {rank} and rank {mesh.rank}: build the model "
                     "identically on every rank (same seed or the same checkpoint) before parallelize"
                 )
-
-
-def _expert_homes(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tuple[
-    dict[int, list[ExpertHome]], list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
-]:
-    """Group expert-slot gradients by the exact set of world ranks holding them.
-
-    Every rank walks all layers and experts (global knowledge from the tables) so that process groups
-    are created in the same order everywhere; it keeps its own slots. Returns, per expert parameter of
-    this rank, its homes ``(holder ranks, group, local slots in global id order)``; the same slots
-    grouped by holder set (for the replica check); and the per-slot norm weights (1 / holders).
-    """
-    holders_of: dict[tuple[int, int], tuple[int, ...]] = {}
-    for li, layer in enumerate(layers):
-        for e in range(layer.num_experts):
-            ranks = sorted(mesh.global_rank(d, r) for d in range(mesh.dp_degree) for r in layer.table.holders(e))
-            holders_of[(li, e)] = tuple(ranks)
-    groups = {ranks: mesh.group_of(ranks) for ranks in sorted(set(holders_of.values()))}
-    holder_groups = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if mesh.rank in ranks}
-    homes: dict[int, list[ExpertHome]] = {}
-    norm_weights = []
-    for li, layer in enumerate(layers):
-        local = layer.local_experts
-        order = sorted(range(len(local)), key=lambda s: local[s])
-        weight = torch.tensor([1.0 / len(holders_of[(li, local[s])]) for s in range(len(local))], dtype=torch.float64)
-        by_ranks: dict[tuple[int, ...], list[int]] = {}
-        for s in order:
-            by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
-        for p in layer.expert_parameters():
-            norm_weights.append((p, weight))
-            homes[id(p)] = [(ranks, groups[ranks], slots) for ranks, slots in sorted(by_ranks.items())]
-            for ranks, slots in by_ranks.items():
-                holder_groups[ranks].entries.append((p, torch.tensor(slots, dtype=torch.long, device=p.device)))
-    return homes, [holder_groups[r] for r in sorted(holder_groups)], norm_weights
 
 
 def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
@@ -142,7 +92,7 @@ def parallelize(
         HybridEPConfigError: before any work, for a layout that cannot work (naming the values), a model
             with no routed experts, or an experts module that cannot be sharded.
     """
-    if getattr(model, "_hybrid_ep", None) is not None:
+    if is_parallelized(model):
         raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
     config = config or HybridEPConfig()
     found = check_shardable(model)
@@ -196,12 +146,13 @@ def parallelize(
     if config.dense_sharding == "fsdp":
         _fully_shard_dense(model, layers, mesh)
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
-    homes, holder_groups, norm_weights = _expert_homes(layers, mesh)
+    homes, holder_groups, norm_weights = expert_homes(layers, mesh)
     reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
     reducer = GradientReducer(mesh, list(model.parameters()), dense, homes, holder_groups, norm_weights,
                               reduce_dense=reduce_dense, bucket_bytes=int(config.bucket_size_mb * 2**20),
                               overlap=config.overlap_grad_reduce)
-    model._hybrid_ep = HybridEPState(config, mesh, layers, reducer, agreement=agreement)
+    state = HybridEPState(config, mesh, layers, reducer, agreement=agreement)
+    attach(model, state)
     reducer.on_backward_start.append(agreement.launch)  # before the first gradient bucket
     reducer.on_backward_end.append(agreement.finish)
     model.register_forward_pre_hook(_before_forward)
@@ -211,9 +162,9 @@ def parallelize(
         shadows = ShadowManager(layers, mesh, config.expert_cache_capacity)
         reducer.pre_reduce_hooks.append(shadows.return_gradients)
         reducer.hold_expert_buckets = shadows.returns_pending
-        model._hybrid_ep.shadows = shadows
+        state.shadows = shadows
     if config.rebalancing:
-        model._hybrid_ep.rebalancer = Rebalancer(model)
+        state.rebalancer = Rebalancer(model)
     _wrap_save_pretrained(model)
     _wrap_generate(model)
     return model
@@ -231,17 +182,6 @@ def _after_forward(model: nn.Module, args, output) -> None:
     state = state_of(model)
     if not torch.is_grad_enabled() or state.mesh.world_group is None:
         state.agreement.agree_now()
-
-
-def wait_for_parameters(model: nn.Module) -> None:
-    """Wait for the ZeRO-1 parameter all-gathers launched by the last ``optimizer.step()``.
-
-    Forward passes, saving, ``state_dict``, ``full_state_dict`` and the replica check do this themselves;
-    call it before reading parameters directly (``model.named_parameters()``) right after a step.
-    """
-    sharding = state_of(model).reducer.sharding
-    if sharding is not None:
-        sharding.wait_params()
 
 
 def _fully_shard_dense(model: nn.Module, layers: list[ExpertParallelLayer], mesh: HybridMesh) -> None:
@@ -337,13 +277,6 @@ def _wrap_save_pretrained(model: nn.Module) -> None:
 
     save_pretrained.__doc__ = (original.__doc__ or "") + "\n\n(hf_hybrid_ep: collective; gathers the experts.)"
     model.save_pretrained = save_pretrained
-
-
-def state_of(model: nn.Module) -> HybridEPState:
-    state = getattr(model, "_hybrid_ep", None)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.parallelize")
-    return state
 
 
 def comm_stats(model: nn.Module) -> dict[str, dict]:

@@ -32,8 +32,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import CheckpointError
 from .manifest import INDEX_NAME, CheckpointVerifier, is_complete, write_manifest
-from .safetensors_io import CheckpointError, write_point
+from .safetensors_io import write_point
 
 logger = logging.getLogger("hf_hybrid_ep")
 

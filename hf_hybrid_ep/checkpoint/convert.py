@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from ..dispatch import PlacementTable
 from ..dispatch.table import PlacementSpec, layer_tables, spec_of
-from ..experts import find_experts_modules
+from ..errors import CheckpointError, HybridEPConfigError
+from ..moe.discovery import find_experts_modules
 from .atomic import check_output_free, open_checkpoint, staged_save
 from .format import (
     INDEX_NAME,
@@ -39,7 +40,7 @@ from .format import (
 )
 from .layout import ModelExperts, classify_keys, model_experts
 from .manifest import save_metadata
-from .safetensors_io import CheckpointError, StreamingSafetensorsWriter, TensorSpec, sha256_file
+from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, sha256_file
 from .side_state import SIDE_FILE
 from .validate import validate_against_model
 
@@ -285,7 +286,7 @@ def convert_into(
 def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degree: int | None,
                       experts: ModelExperts) -> dict[str, PlacementTable]:
     """One table per MoE layer (experts module name → table) from a placement spec, or contiguous."""
-    from ..config import HybridEPConfigError, placement_row_count
+    from ..config import placement_row_count
 
     layers = [(name, m.num_experts) for name, m in find_experts_modules(experts.model)]
     if isinstance(placement, PlacementTable):

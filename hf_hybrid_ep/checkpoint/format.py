@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .safetensors_io import CheckpointError, TensorSpec, read_header
+from ..errors import CheckpointError
+from .safetensors_io import TensorSpec, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from ..config import HybridEPConfigError
-from ..experts import check_shardable
+from ..errors import CheckpointError, HybridEPConfigError
+from ..moe.discovery import check_shardable
 from .format import PER_EXPERT_KEY
-from .safetensors_io import CheckpointError, TensorSpec
+from .safetensors_io import TensorSpec
 
 
 @dataclass(frozen=True)

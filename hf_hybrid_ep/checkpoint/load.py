@@ -22,12 +22,14 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import HybridEPConfig
-from ..experts import ExpertParallelLayer
+from ..errors import CheckpointError
+from ..moe.layer import ExpertParallelLayer
+from ..state import state_of
 from .atomic import open_checkpoint
 from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
 from .layout import build_meta_model, read_config
 from .manifest import CheckpointVerifier
-from .safetensors_io import CheckpointError, read_header
+from .safetensors_io import read_header
 from .side_state import load_side_state
 
 logger = logging.getLogger(__name__)
@@ -213,7 +215,6 @@ def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify
     """Resume: copy a hybrid-EP (or plain) checkpoint into a live parallelized model, in place —
     weights (this rank's experts only) and the side state, each file checked against the manifest
     (sha256 unless ``verify=False``; default: the config's ``verify_checksums``)."""
-    from ..parallelize import state_of
 
     verify = state_of(model).config.verify_checksums if verify is None else verify
     verifier = open_checkpoint(root, verify=verify)

@@ -21,8 +21,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointError
 from .format import INDEX_NAME, CheckpointIndex
-from .safetensors_io import CheckpointError, read_header, sha256_file, write_point
+from .safetensors_io import read_header, sha256_file, write_point
 
 logger = logging.getLogger("hf_hybrid_ep")
 

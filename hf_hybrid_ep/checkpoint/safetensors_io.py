@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
+
 DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -33,10 +35,6 @@ def write_point(name: str) -> None:
     """Mark one write point of a save (a file open or close, an fsync, a rename, the index write)."""
     if _write_point is not None:
         _write_point(name)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file, index or key that cannot be used; the message names it."""
 
 
 @dataclass(frozen=True)

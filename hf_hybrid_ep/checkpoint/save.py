@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.table import spec_of
-from ..parallelize import state_of
+from ..state import state_of
 from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
 from .convert import convert_into
 from .format import INDEX_NAME

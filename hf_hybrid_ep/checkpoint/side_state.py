@@ -14,13 +14,13 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..state import state_of
 from .manifest import CheckpointVerifier, save_metadata
 
 SIDE_FILE = "hybrid_ep_state.safetensors"
 
 
 def _biased_layers(model: nn.Module) -> list:
-    from ..parallelize import state_of
 
     return [layer for layer in state_of(model).layers
             if layer.routing is not None and layer.routing.selection_bias is not None]

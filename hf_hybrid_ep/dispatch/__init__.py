@@ -7,8 +7,8 @@ error, never a silent fallback.
 
 from __future__ import annotations
 
-from ..config import HybridEPConfigError
-from ..topology import ranks_per_node
+from ..errors import HybridEPConfigError
+from ..parallel.topology import ranks_per_node
 from .hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
 from .stats import CommStats, PhaseCounters
 from .table import PlacementTable

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import HybridEPConfigError
+from ..errors import HybridEPConfigError
 
 
 def _is_list_like(value: object) -> bool:

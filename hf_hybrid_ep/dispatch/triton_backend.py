@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..config import HybridEPConfigError
+from ..errors import HybridEPConfigError
 from .torch_backend import DispatchHandle, TorchDispatcher, grouped_experts
 
 

@@ -28,8 +28,8 @@ from torch import nn
 from ..checkpoint.atomic import staged_save
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import broadcast_save, save_hybrid_checkpoint
-from ..config import HybridEPConfigError
-from ..parallelize import state_of
+from ..errors import HybridEPConfigError
+from ..state import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
 
 _MULTI_PROCESS = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}

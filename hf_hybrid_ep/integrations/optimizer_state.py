@@ -26,9 +26,9 @@ from torch import nn
 from ..checkpoint.atomic import open_checkpoint
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.safetensors_io import write_point
-from ..mesh import is_dtensor
-from ..parallelize import state_of
-from ..zero import ShardedOptimizer
+from ..parallel.mesh import is_dtensor
+from ..parallel.zero import ShardedOptimizer
+from ..state import state_of
 
 TENSORS_NAME = "optimizer.safetensors"
 META_NAME = "optimizer.json"

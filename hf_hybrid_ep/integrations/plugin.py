@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ENV_PREFIX, HybridEPConfig, HybridEPConfigError, read_yaml_mapping
+from ..config import ENV_PREFIX, HybridEPConfig, read_yaml_mapping
+from ..errors import HybridEPConfigError
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
 OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}

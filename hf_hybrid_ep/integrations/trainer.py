@@ -30,19 +30,20 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..amp import agree_found_inf_
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import broadcast_save, save_hybrid_checkpoint, write_model_files
-from ..config import HybridEPConfigError
-from ..consistency import verify_replicas
-from ..experts import find_experts_modules
-from ..freeze import ExpertFreezer
-from ..grads import clip_grad_norm_
+from ..errors import HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
-from ..parallelize import routing_step, state_of
-from ..zero import reshard_optimizer
+from ..moe.discovery import find_experts_modules
+from ..moe.freeze import ExpertFreezer
+from ..parallel.amp import agree_found_inf_
+from ..parallel.consistency import verify_replicas
+from ..parallel.grads import clip_grad_norm_
+from ..parallel.zero import reshard_optimizer
+from ..parallelize import routing_step
+from ..state import state_of
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 

@@ -78,7 +78,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .config import HybridEPConfigError
+from ..errors import HybridEPConfigError
+from ..parallel.topology import Topology
 from .planner import (
     DENSE_SHARDINGS,
     OPTIMIZER_SHARDINGS,
@@ -88,7 +89,6 @@ from .planner import (
     _ranks_per,
     rank_state_bytes,
 )
-from .topology import Topology
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak, FLOP/s (H100 SXM)
 H100_MEMORY_GBPS = 3350.0  # HBM3, GB/s (H100 SXM)

@@ -37,7 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dispatch import PlacementTable
+from ..dispatch import PlacementTable
+from ..parallel.grads import expert_homes
+from ..parallel.topology import Topology
+from ..parallel.zero import ShardedOptimizer, ZeroSharding, wait_for_parameters
+from ..planning.placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
+from ..state import state_of
 
 logger = logging.getLogger("hf_hybrid_ep")
 
@@ -69,7 +74,6 @@ class Rebalancer:
     """Decides and performs online rebalances for one parallelized model (collective methods)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from .parallelize import state_of
 
         state = state_of(model)
         self.model, self.state = model, state
@@ -184,8 +188,6 @@ def refit(loads: np.ndarray, coactivation: np.ndarray | None, top_k: int, curren
     (``loads [E]``, ``coactivation [E, E]`` or ``None``): fitted by :func:`~hf_hybrid_ep.placement.fit_placement`,
     aligned to ``current`` (fewest experts moved), or ``current`` itself where the fit does not lower the
     layer's rank imbalance on ``loads``."""
-    from .placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
-    from .topology import Topology
 
     topology = Topology.of(topology) if topology else None
     stats = RoutingStats(np.asarray(loads, dtype=float) + 1e-9, coactivation, top_k)
@@ -277,8 +279,6 @@ def apply_tables(model: nn.Module, tables: dict[str, PlacementTable], optimizer=
 
     ``optimizer``: the model's optimizer (plain or ZeRO-1; Accelerate's wrapper is unwrapped); without
     one only the weights move (an optimizer built afterwards starts fresh)."""
-    from .parallelize import state_of, wait_for_parameters
-    from .zero import ShardedOptimizer, ZeroSharding
 
     state = state_of(model)
     optimizer = unwrap_optimizer(optimizer)
@@ -333,8 +333,6 @@ def _replace_parameter(model: nn.Module, module: nn.Module, pname: str, old: nn.
                        optimizer) -> nn.Parameter:
     """Put a new Parameter holding ``value`` where ``old`` was: in the module, the reducer's parameter order
     and gradient hooks, and the optimizer's groups and state (its tensor state is replaced after the move)."""
-    from .parallelize import state_of
-    from .zero import ShardedOptimizer
 
     new = nn.Parameter(value, requires_grad=old.requires_grad)
     module._parameters[pname] = new
@@ -355,11 +353,10 @@ def _replace_parameter(model: nn.Module, module: nn.Module, pname: str, old: nn.
 
 def _relayout_reducer(model: nn.Module) -> None:
     """Rebuild the reducer's expert homes (and process groups of new holder sets), buckets and buffers."""
-    from .parallelize import _expert_homes, state_of
 
     state = state_of(model)
     reducer = state.reducer
-    homes, holder_groups, norm_weights = _expert_homes(state.layers, state.mesh)
+    homes, holder_groups, norm_weights = expert_homes(state.layers, state.mesh)
     reducer.expert_homes, reducer.holder_groups, reducer.expert_norm_weights = homes, holder_groups, norm_weights
     for p in reducer.parameters():
         p.grad = None

@@ -26,9 +26,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .config import HybridEPConfigError
-from .experts import expert_parameter_names, find_experts_modules
-from .routing import find_router
+from ..errors import HybridEPConfigError
+from ..moe.discovery import expert_parameter_names, find_experts_modules
+from ..moe.routing import find_router
+from ..state import attach_offload, is_parallelized, offload_state_of
 
 POLICIES = ("lru", "lfu", "pinned-lru", "belady")
 
@@ -224,8 +225,8 @@ class SafetensorsStore:
     does), so one expert is one small read per source key."""
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
-        from .checkpoint.atomic import open_checkpoint
-        from .checkpoint.load import _weight_map
+        from ..checkpoint.atomic import open_checkpoint
+        from ..checkpoint.load import _weight_map
 
         self.root = Path(path)
         if not self.root.is_dir():
@@ -237,7 +238,7 @@ class SafetensorsStore:
         self.reader = None
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
-        from .checkpoint.load import _Reader, plan_rank_local
+        from ..checkpoint.load import _Reader, plan_rank_local
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
         self.targets = plan_rank_local(model, views, self.weight_map)
@@ -256,7 +257,7 @@ class SafetensorsStore:
                     )
 
     def expert(self, layer: str, expert: int) -> dict[str, torch.Tensor]:
-        from .checkpoint.load import _assemble, _Target
+        from ..checkpoint.load import _assemble, _Target
 
         out = {}
         for p in self.param_names[layer]:
@@ -417,7 +418,7 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
     found = find_experts_modules(model)
     if not found:
         raise HybridEPConfigError(f"{type(model).__name__} has no fused experts module to offload")
-    if getattr(model, "_hybrid_ep", None) is not None:
+    if is_parallelized(model):
         raise HybridEPConfigError("offload is for a model that was not parallelized (inference on one device)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "meta":
@@ -435,7 +436,7 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
             layer.next, following.router = following, router[1]
     for layer in layers:
         layer.install()
-    model._hybrid_ep_offload = layers
+    attach_offload(model, layers)
     return model
 
 
@@ -448,8 +449,8 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
 
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
-    from .checkpoint.layout import build_meta_model, read_config
-    from .checkpoint.load import _assemble, _Reader, plan_rank_local
+    from ..checkpoint.layout import build_meta_model, read_config
+    from ..checkpoint.load import _assemble, _Reader, plan_rank_local
 
     root = Path(path)
     if not root.is_dir():
@@ -457,7 +458,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     store = SafetensorsStore(root, verify=verify)
     model = build_meta_model(read_config(root, trust_remote_code), trust_remote_code)
     offload(model, capacity, policy, device=device, store=store, prefetch=prefetch)
-    experts = {f"{layer.name}.{p}" for layer in _offloaded(model) for p in layer.param_names}
+    experts = {f"{layer.name}.{p}" for layer in offload_state_of(model) for p in layer.param_names}
     weight_map = store.weight_map
     reader = _Reader(root, weight_map, verifier=store.verifier)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -484,15 +485,8 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
 
 def resize_offload(model: nn.Module, capacity: int) -> None:
     """Change every offloaded layer's resident capacity (e.g. to follow a memory budget)."""
-    for layer in _offloaded(model):
+    for layer in offload_state_of(model):
         layer.resize(capacity)
-
-
-def _offloaded(model: nn.Module) -> list[OffloadedExperts]:
-    layers = getattr(model, "_hybrid_ep_offload", None)
-    if layers is None:
-        raise HybridEPConfigError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.offload")
-    return layers
 
 
 def cache_stats(model: nn.Module) -> dict[str, dict]:
@@ -503,5 +497,5 @@ def cache_stats(model: nn.Module) -> dict[str, dict]:
                      "prefetch_precision": layer.cache.stats.prefetch_precision,
                      "resident_experts": len(layer.cache.resident), "capacity": layer.cache.capacity,
                      "resident_bytes": layer.resident_bytes()}
-        for layer in _offloaded(model)
+        for layer in offload_state_of(model)
     }

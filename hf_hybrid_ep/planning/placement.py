@@ -56,9 +56,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import HybridEPConfigError
-from .dispatch import PlacementTable
-from .topology import Topology
+from ..dispatch import PlacementTable
+from ..errors import HybridEPConfigError
+from ..parallel.topology import Topology
 
 
 @dataclass
@@ -88,7 +88,7 @@ class RoutingStats:
             HybridEPConfigError: for malformed records (:func:`hf_hybrid_ep.metrics.check_records`), naming
                 the record, layer and key, or a layer the first record lacks.
         """
-        from .metrics import check_records
+        from ..metrics import check_records
 
         if isinstance(records, str | bytes | Mapping) or not isinstance(records, Sequence):
             raise HybridEPConfigError(f"expert-load records must be a list of records, got {type(records).__name__}")

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .config import HybridEPConfig, HybridEPConfigError
+from ..config import HybridEPConfig
+from ..errors import HybridEPConfigError
 
 # ---------------------------------------------------------------------------------------------- rules
 
@@ -394,7 +395,7 @@ def on_optimizer_step(model: nn.Module, config: HybridEPConfig, layers: list, me
     routings = [layer.routing for layer in layers if getattr(layer, "routing", None) is not None]
     if not routings:
         return
-    from .mesh import current_device
+    from ..parallel.mesh import current_device
 
     device = current_device(mesh)
     stacked = torch.cat([r.step.to(device) for r in routings])

@@ -1,119 +1,22 @@
-"""Find transformers' fused experts modules, read their layout, shard them, and run them expert-parallel.
+"""The expert-parallel layer: one fused experts module's forward as dispatch → local experts → combine.
 
-A fused experts module is recognised structurally: transformers' ``use_experts_implementation``
-decorator gives every instance the layout flags ``has_gate``, ``has_bias``, ``is_transposed``,
-``is_concatenated``, ``has_post_expert_norm`` and ``_is_expert_parallel``, and the module holds 3-D
-parameters whose leading dimension is ``num_experts``. No class names are listed anywhere.
+The module keeps only this rank's experts (:meth:`ExpertParallelLayer.shard_`); its forward routes
+each (token, expert) pair to the rank holding the expert through a dispatcher
+(:mod:`hf_hybrid_ep.dispatch`), runs transformers' own experts forward on the received rows, and
+combines the returned rows with the routing weights. See docs/architecture.md, "A token's path".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from .agreement import InputAgreement, input_flags
-from .config import HybridEPConfigError
-from .dispatch import CommStats, PlacementTable, make_dispatcher
-from .mesh import HybridMesh, all_gather_flat
+from ..dispatch import CommStats, PlacementTable, make_dispatcher
+from ..errors import HybridEPConfigError
+from ..parallel.agreement import InputAgreement, input_flags
+from ..parallel.mesh import HybridMesh, all_gather_flat
+from .discovery import ExpertsLayout, expert_parameter_names
 from .routing import apply_capacity
-
-LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
-
-
-@dataclass(frozen=True)
-class ExpertsLayout:
-    """How one fused experts module stores its weights (the decorator's flags).
-
-    Standard layout: ``gate_up_proj [E, 2I, H]`` (gate then up), ``down_proj [E, H, I]``. Transposed
-    (GPT-OSS): ``[E, H, 2I]`` / ``[E, I, H]``; not concatenated: gate and up interleaved along 2I.
-    """
-
-    has_gate: bool
-    has_bias: bool
-    is_transposed: bool
-    is_concatenated: bool
-    has_post_expert_norm: bool
-
-    @classmethod
-    def of(cls, module: nn.Module) -> ExpertsLayout:
-        return cls(**{flag: bool(getattr(module, flag)) for flag in LAYOUT_FLAGS})
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    """True for an instance of a class decorated with transformers' ``use_experts_implementation``."""
-    return all(hasattr(module, flag) for flag in (*LAYOUT_FLAGS, "_is_expert_parallel"))
-
-
-def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """All fused experts modules of ``model``, as ``(qualified name, module)`` in module order."""
-    return [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
-
-
-def _undecorated_expert_like(model: nn.Module) -> list[str]:
-    """Class names of modules that look like experts but lack the decorator (for error messages)."""
-    found = set()
-    for m in model.modules():
-        if "expert" in type(m).__name__.lower() and any(p.dim() == 3 for p in m.parameters(recurse=False)):
-            found.add(type(m).__name__)
-    return sorted(found)
-
-
-def expert_parameter_names(name: str, module: nn.Module) -> list[str]:
-    """Names of the per-expert parameters of ``module`` (direct parameters with leading dim ``num_experts``).
-
-    Raises:
-        HybridEPConfigError: when the module cannot be sharded (no integer ``num_experts``, a missing or
-            non-3-D projection, a direct parameter or buffer without a leading expert dimension).
-    """
-    num_experts = getattr(module, "num_experts", None)
-    cls = type(module).__name__
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise HybridEPConfigError(f"cannot shard {name} ({cls}): it has no integer attribute num_experts")
-    layout = ExpertsLayout.of(module)
-    required = ["gate_up_proj" if layout.has_gate else "up_proj", "down_proj"]
-    params = dict(module.named_parameters(recurse=False))
-    for req in required:
-        p = params.get(req)
-        if p is None or p.dim() != 3 or p.shape[0] != num_experts:
-            shape = None if p is None else tuple(p.shape)
-            raise HybridEPConfigError(
-                f"cannot shard {name} ({cls}): expected a 3-D parameter {req!r} with leading dimension "
-                f"num_experts={num_experts}, found shape {shape}"
-            )
-    for pname, p in params.items():
-        if p.dim() == 0 or p.shape[0] != num_experts:
-            raise HybridEPConfigError(
-                f"cannot shard {name} ({cls}): parameter {pname!r} of shape {tuple(p.shape)} has no leading "
-                f"expert dimension (num_experts={num_experts})"
-            )
-    for bname, b in module.named_buffers(recurse=False):
-        if b is not None and b.dim() > 0 and b.shape[0] == num_experts:
-            raise HybridEPConfigError(
-                f"cannot shard {name} ({cls}): per-expert buffer {bname!r} (shape {tuple(b.shape)}) is not supported "
-                "(quantized experts are not supported; load the model in a floating dtype)"
-            )
-    return list(params)
-
-
-def check_shardable(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Return the experts modules of ``model``, or raise before any work naming what is wrong."""
-    found = find_experts_modules(model)
-    if not found:
-        extra = _undecorated_expert_like(model)
-        hint = (
-            f" It has expert-like modules {extra}, but their classes are not decorated with transformers' "
-            "use_experts_implementation, so they cannot be sharded."
-            if extra
-            else ""
-        )
-        raise HybridEPConfigError(
-            f"{type(model).__name__} has no routed experts (no transformers fused experts module).{hint}"
-        )
-    for name, module in found:
-        expert_parameter_names(name, module)
-    return found
 
 
 class ExpertParallelLayer:
@@ -352,14 +255,3 @@ class SharedExpertOverlap:
         if stash is not None and not args and not kwargs and stash[0] == self._key(x):
             return stash[1].view(*x.shape[:-1], stash[1].shape[-1])
         return self._forward(x, *args, **kwargs)
-
-
-def find_shared_expert(model: nn.Module, experts_name: str) -> tuple[nn.Module, nn.Module] | None:
-    """The block and its shared expert (a child named ``shared_experts`` or ``shared_expert``), if any."""
-    parent_name, _, _ = experts_name.rpartition(".")
-    block = model.get_submodule(parent_name)
-    for name in ("shared_experts", "shared_expert"):
-        shared = getattr(block, name, None)
-        if isinstance(shared, nn.Module):
-            return block, shared
-    return None

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import HybridEPConfigError
-from .parallelize import state_of
+from ..errors import HybridEPConfigError
+from ..state import state_of
 
 
 class ExpertFreezer:

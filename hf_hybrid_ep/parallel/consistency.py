@@ -11,13 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import ReplicaDivergenceError
+from ..state import state_of
 from .mesh import current_device
-from .parallelize import state_of, wait_for_parameters
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """Replicas of a parameter differ; the message names the parameter and the ranks."""
-
+from .zero import wait_for_parameters
 
 _CHUNK = 1 << 22
 

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import HybridEPConfigError
-from .dispatch.stats import ShadowCounters
-from .mesh import HybridMesh, all_gather_flat, current_device
+from ..dispatch.stats import ShadowCounters
+from ..errors import HybridEPConfigError
+from ..parallel.mesh import HybridMesh, all_gather_flat, current_device
 
 EXCHANGES_PER_ROW = 4  # dispatch, combine, dispatch_backward, combine_backward
 

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .config import HybridEPConfigError
+from ..errors import HybridEPConfigError
 
 INTRA_LINKS = {"nvlink": 300.0, "pcie": 32.0}  # default GB/s per GPU
 INTER_LINKS = {"infiniband": 25.0, "ethernet": 12.5}

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..state import state_of
 from .mesh import current_device
-from .parallelize import state_of
 
 _AGREED = "hybrid_ep_found_inf_agreed"
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..state import state_of
 from .buckets import FlatBucket, OwnedView
 from .mesh import all_gather_flat
 
@@ -50,7 +51,6 @@ class ZeroSharding:
     """The sharded view of one hybrid-EP model's flat buckets; shared by its reducer and its optimizer."""
 
     def __init__(self, model: nn.Module) -> None:
-        from .parallelize import state_of
 
         state = state_of(model)
         self.reducer, self.mesh = state.reducer, state.mesh
@@ -224,7 +224,6 @@ class ShardedOptimizer:
     """
 
     def __init__(self, model: nn.Module, params, *args, **kwargs) -> None:
-        from .parallelize import state_of
 
         state = state_of(model)
         reducer = state.reducer
@@ -325,7 +324,6 @@ def _split_dtensor_groups(params: list) -> list:
 def make_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], params, *args, **kwargs):
     """The optimizer the model's config asks for: sharded with ``optimizer_sharding="zero1"``, plain otherwise;
     with the fused (or multi-tensor) kernel of :func:`fast_implementation` unless ``kwargs`` choose one."""
-    from .parallelize import state_of
 
     params = _split_dtensor_groups(list(params))
     kwargs = {**fast_implementation(optimizer_cls, params, **kwargs), **kwargs}
@@ -347,3 +345,14 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> tor
         raise ValueError("reshard_optimizer needs a fresh optimizer (it already holds state)")
     groups = [dict(g) for g in optimizer.param_groups]  # every hyperparameter is in the groups
     return shard_optimizer(model, type(optimizer), groups)
+
+
+def wait_for_parameters(model: nn.Module) -> None:
+    """Wait for the ZeRO-1 parameter all-gathers launched by the last ``optimizer.step()``.
+
+    Forward passes, saving, ``state_dict``, ``full_state_dict`` and the replica check do this themselves;
+    call it before reading parameters directly (``model.named_parameters()``) right after a step.
+    """
+    sharding = state_of(model).reducer.sharding
+    if sharding is not None:
+        sharding.wait_params()

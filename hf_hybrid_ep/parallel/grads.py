@@ -27,14 +27,19 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from ..state import state_of
 from .buckets import FlatBucket, bucket_of, runs
 from .mesh import HybridMesh, current_device, is_dtensor, reduce_scatter_flat
+
+if TYPE_CHECKING:
+    from ..moe.layer import ExpertParallelLayer
 
 
 @dataclass
@@ -412,10 +417,8 @@ class GradientReducer:
 
 
 def reducer_of(model: nn.Module) -> GradientReducer:
-    state = getattr(model, "_hybrid_ep", None)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.parallelize")
-    return state.reducer
+    """The gradient reducer :func:`hf_hybrid_ep.parallelize` attached to ``model``."""
+    return state_of(model).reducer
 
 
 @contextlib.contextmanager
@@ -455,3 +458,37 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     for g in reducer.clip_targets():
         g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def expert_homes(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tuple[
+    dict[int, list[ExpertHome]], list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
+]:
+    """Group expert-slot gradients by the exact set of world ranks holding them.
+
+    Every rank walks all layers and experts (global knowledge from the tables) so that process groups
+    are created in the same order everywhere; it keeps its own slots. Returns, per expert parameter of
+    this rank, its homes ``(holder ranks, group, local slots in global id order)``; the same slots
+    grouped by holder set (for the replica check); and the per-slot norm weights (1 / holders).
+    """
+    holders_of: dict[tuple[int, int], tuple[int, ...]] = {}
+    for li, layer in enumerate(layers):
+        for e in range(layer.num_experts):
+            ranks = sorted(mesh.global_rank(d, r) for d in range(mesh.dp_degree) for r in layer.table.holders(e))
+            holders_of[(li, e)] = tuple(ranks)
+    groups = {ranks: mesh.group_of(ranks) for ranks in sorted(set(holders_of.values()))}
+    holder_groups = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if mesh.rank in ranks}
+    homes: dict[int, list[ExpertHome]] = {}
+    norm_weights = []
+    for li, layer in enumerate(layers):
+        local = layer.local_experts
+        order = sorted(range(len(local)), key=lambda s: local[s])
+        weight = torch.tensor([1.0 / len(holders_of[(li, local[s])]) for s in range(len(local))], dtype=torch.float64)
+        by_ranks: dict[tuple[int, ...], list[int]] = {}
+        for s in order:
+            by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
+        for p in layer.expert_parameters():
+            norm_weights.append((p, weight))
+            homes[id(p)] = [(ranks, groups[ranks], slots) for ranks, slots in sorted(by_ranks.items())]
+            for ranks, slots in by_ranks.items():
+                holder_groups[ranks].entries.append((p, torch.tensor(slots, dtype=torch.long, device=p.device)))
+    return homes, [holder_groups[r] for r in sorted(holder_groups)], norm_weights

@@ -1,0 +1,37 @@
+"""The built wheel is what a `pip install hf_hybrid_ep` user gets: it must carry the package data the
+code reads at run time (the model-card template for Hub pushes, the known configs of the planner) and
+nothing of the repository around it (tests, benchmarks, scripts)."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_carries_the_package_data_and_no_tests(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True, cwd=tmp_path,
+    )
+    (wheel,) = tmp_path.glob("hf_hybrid_ep-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hf_hybrid_ep/model_cards/hybrid_ep_model_card.md" in names
+    assert any(n.startswith("hf_hybrid_ep/known_configs/") and n.endswith(".json") for n in names)
+    for sub in ("parallel", "moe", "dispatch", "checkpoint", "planning", "inference", "integrations"):
+        assert f"hf_hybrid_ep/{sub}/__init__.py" in names, sub
+    top = {n.split("/")[1] for n in names if n.startswith("hf_hybrid_ep/") and n.count("/") == 1}
+    assert top == {p.name for p in (ROOT / "hf_hybrid_ep").glob("*.py")}  # nothing stale from an old build/
+    strays = [n for n in names if n.split("/")[0] in ("tests", "benchmarks", "scripts", "examples", "docs")]
+    assert not strays, strays
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "License-Expression: Apache-2.0" in text
+
+
+def test_model_card_template_is_found_from_the_installed_package():
+    from hf_hybrid_ep import hub
+
+    assert hub.TEMPLATE.is_file()
+    assert hub.TEMPLATE.is_relative_to(Path(hub.__file__).parent)
