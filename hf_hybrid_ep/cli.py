@@ -161,10 +161,11 @@ def _plan_calibration(args: argparse.Namespace) -> dict | None:
         return None
     from dataclasses import asdict
 
-    from .planning.step_time import calibrate_compute, launched_world
+    from .parallel.mesh import world_size
+    from .planning.step_time import calibrate_compute
 
     result = asdict(calibrate_compute(args.calibrate_seconds))
-    world = launched_world()
+    world = world_size(launched=True)
     result["links"] = ("from the topology spec, not measured: not inside a launched world" if world == 1 else
                        f"from the topology spec, not measured: inside a launched world of {world} ranks, but "
                        "measuring links is not implemented")

@@ -223,19 +223,15 @@ class HybridEPConfig:
     # ------------------------------------------------------------------ construction
     def _apply_env(self) -> None:
         """Fill every field still at its default from its environment twin."""
-        for f in dataclasses.fields(self):
-            if f.name.startswith("_"):
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if getattr(self, f.name) == default:
-                value = _env_value(f.name, default)
-                if value is not None:
-                    setattr(self, f.name, value)
+        defaults = config_fields()
+        for name, value in env_values().items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridEPConfig:
         """Build from a mapping; unknown keys are an error that names them."""
-        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        known = set(config_fields())
         unknown = sorted(set(data) - known)
         if unknown:
             raise HybridEPConfigError(
@@ -249,18 +245,42 @@ class HybridEPConfig:
         return cls.from_dict(read_yaml_mapping(path, "config file"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        return {name: getattr(self, name) for name in config_fields()}
 
     # ------------------------------------------------------------------ validation
     def _check_static(self) -> None:
         for name in ("dp_degree", "ep_degree"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise HybridEPConfigError(f"{name}={value!r} must be a positive integer or None")
+            _check_int(name, getattr(self, name), optional=True)
         if self.dispatcher not in DISPATCHER_BACKENDS:
             raise HybridEPConfigError(
                 f"dispatcher={self.dispatcher!r} is not available; choose one of {list(DISPATCHER_BACKENDS)}"
             )
+        self._check_placement()
+        for name in ("router_temperature", "capacity_factor"):
+            _check_number(name, getattr(self, name), positive=True, optional=True)
+        for name in ("device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            _check_number(name, getattr(self, name), positive=False, optional=True)
+        _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "expert_cache_capacity"):
+            _check_int(name, getattr(self, name))
+        for name in ("overlap_grad_reduce", "expert_cache", "coactivation_stats", "verify_checksums"):
+            _check_bool(name, getattr(self, name))
+        _check_number("bucket_size_mb", self.bucket_size_mb, positive=True, unit=" of MiB")
+        _check_choice("optimizer_sharding", self.optimizer_sharding, OPTIMIZER_SHARDINGS)
+        _check_choice("dense_sharding", self.dense_sharding, DENSE_SHARDINGS)
+        _check_int("rebalance_every", self.rebalance_every, optional=True)
+        over = self.rebalance_when_imbalance_over
+        if over is not None and (isinstance(over, bool) or not isinstance(over, int | float) or not over > 1):
+            raise HybridEPConfigError(f"rebalance_when_imbalance_over={over!r} must be a number above 1 (max/mean) "
+                                      "or None")
+        _check_int("rebalance_replicas", self.rebalance_replicas, minimum=0)
+        _check_number("rebalance_tolerance", self.rebalance_tolerance, positive=False)
+        if self.topology is not None:
+            if not isinstance(self.topology, str):
+                raise HybridEPConfigError(f"topology={self.topology!r} must be a spec string such as 'gpus_per_node=8'")
+            Topology.parse(self.topology)
+
+    def _check_placement(self) -> None:
         if isinstance(self.placement, str):
             if self.placement not in PLACEMENTS:
                 raise HybridEPConfigError(
@@ -280,60 +300,6 @@ class HybridEPConfig:
         else:
             raise HybridEPConfigError(f"placement={self.placement!r} must be a name, a table or a mapping "
                                       "from layer name to table")
-        for name in ("router_temperature", "capacity_factor"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
-                raise HybridEPConfigError(f"{name}={value!r} must be a positive number or None")
-        for name in ("device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
-                raise HybridEPConfigError(f"{name}={value!r} must be a non-negative number or None")
-        if self.drop_policy not in DROP_POLICIES:
-            raise HybridEPConfigError(f"drop_policy={self.drop_policy!r} must be one of {list(DROP_POLICIES)}")
-        if not isinstance(self.expert_alignment, int) or isinstance(self.expert_alignment, bool) or self.expert_alignment < 1:
-            raise HybridEPConfigError(f"expert_alignment={self.expert_alignment!r} must be a positive integer")
-        if not isinstance(self.overlap_degree, int) or isinstance(self.overlap_degree, bool) or self.overlap_degree < 1:
-            raise HybridEPConfigError(f"overlap_degree={self.overlap_degree!r} must be a positive integer")
-        if not isinstance(self.overlap_grad_reduce, bool):
-            raise HybridEPConfigError(f"overlap_grad_reduce={self.overlap_grad_reduce!r} must be true or false")
-        size = self.bucket_size_mb
-        if isinstance(size, bool) or not isinstance(size, int | float) or not size > 0:
-            raise HybridEPConfigError(f"bucket_size_mb={size!r} must be a positive number of MiB")
-        if not isinstance(self.dead_expert_steps, int) or self.dead_expert_steps < 1:
-            raise HybridEPConfigError(f"dead_expert_steps={self.dead_expert_steps!r} must be a positive integer")
-        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            raise HybridEPConfigError(
-                f"optimizer_sharding={self.optimizer_sharding!r} must be one of {list(OPTIMIZER_SHARDINGS)}"
-            )
-        if self.dense_sharding not in DENSE_SHARDINGS:
-            raise HybridEPConfigError(f"dense_sharding={self.dense_sharding!r} must be one of {list(DENSE_SHARDINGS)}")
-        if not isinstance(self.expert_cache, bool):
-            raise HybridEPConfigError(f"expert_cache={self.expert_cache!r} must be true or false")
-        capacity = self.expert_cache_capacity
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise HybridEPConfigError(f"expert_cache_capacity={capacity!r} must be a positive integer")
-        every = self.rebalance_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise HybridEPConfigError(f"rebalance_every={every!r} must be a positive integer or None")
-        over = self.rebalance_when_imbalance_over
-        if over is not None and (isinstance(over, bool) or not isinstance(over, int | float) or not over > 1):
-            raise HybridEPConfigError(f"rebalance_when_imbalance_over={over!r} must be a number above 1 (max/mean) "
-                                      "or None")
-        replicas = self.rebalance_replicas
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise HybridEPConfigError(f"rebalance_replicas={replicas!r} must be a non-negative integer")
-        tolerance = self.rebalance_tolerance
-        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance < 0:
-            raise HybridEPConfigError(f"rebalance_tolerance={tolerance!r} must be a non-negative number")
-        if self.topology is not None:
-            if not isinstance(self.topology, str):
-                raise HybridEPConfigError(f"topology={self.topology!r} must be a spec string such as 'gpus_per_node=8'")
-
-            Topology.parse(self.topology)
-        if not isinstance(self.coactivation_stats, bool):
-            raise HybridEPConfigError(f"coactivation_stats={self.coactivation_stats!r} must be true or false")
-        if not isinstance(self.verify_checksums, bool):
-            raise HybridEPConfigError(f"verify_checksums={self.verify_checksums!r} must be true or false")
 
     @property
     def rebalancing(self) -> bool:
@@ -417,3 +383,50 @@ def placement_row_count(placement: object) -> int | None:
                                       "layer needs one row per EP rank of the same EP group")
         return next(iter(counts.values()), None)
     return len(placement)
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> None:
+    """Raise unless ``value`` is an integer ≥ ``minimum`` (1: positive, 0: non-negative), or ``None``
+    when ``optional``; a bool is not an integer here."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "positive integer" if minimum == 1 else "non-negative integer"
+        raise HybridEPConfigError(f"{name}={value!r} must be a {kind}" + (" or None" if optional else ""))
+
+
+def _check_number(name: str, value: Any, *, positive: bool, optional: bool = False, unit: str = "") -> None:
+    """Raise unless ``value`` is a real number > 0 (``positive``) or ≥ 0, or ``None`` when ``optional``."""
+    if optional and value is None:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and (value > 0 if positive else value >= 0)
+    if not ok:
+        kind = "positive number" if positive else "non-negative number"
+        raise HybridEPConfigError(f"{name}={value!r} must be a {kind}{unit}" + (" or None" if optional else ""))
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise HybridEPConfigError(f"{name}={value!r} must be true or false")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise HybridEPConfigError(f"{name}={value!r} must be one of {list(choices)}")
+
+
+def config_fields() -> dict[str, Any]:
+    """Every public field of :class:`HybridEPConfig` and its default (``None`` for a factory default)."""
+    return {f.name: f.default if f.default is not dataclasses.MISSING else None
+            for f in dataclasses.fields(HybridEPConfig) if not f.name.startswith("_")}
+
+
+def env_values() -> dict[str, Any]:
+    """The set environment twins ``HF_HYBRID_EP_<FIELD>`` of the config's fields, parsed and type-checked
+    (the one environment parser: :class:`HybridEPConfig` and the Accelerate plugin both read it)."""
+    values = {}
+    for name, default in config_fields().items():
+        value = _env_value(name, default)
+        if value is not None:
+            values[name] = value
+    return values

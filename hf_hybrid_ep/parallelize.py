@@ -16,23 +16,17 @@ from .dispatch.table import layer_tables
 from .dispatch.torch_backend import CONTROL_INTS
 from .errors import HybridEPConfigError
 from .moe.discovery import check_shardable, find_shared_expert
-from .moe.layer import ExpertParallelLayer, SharedExpertOverlap
+from .moe.layer import EPLayerOptions, ExpertParallelLayer, SharedExpertOverlap
 from .moe.rebalance import Rebalancer
 from .moe.routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .moe.shadow import ShadowManager
 from .parallel.agreement import InputAgreement
 from .parallel.grads import GradientReducer, expert_homes
-from .parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor
+from .parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor, world_size
 from .parallel.zero import wait_for_parameters
 from .state import HybridEPState, attach, is_parallelized, state_of
 
 logger = logging.getLogger("hf_hybrid_ep")
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh: HybridMesh) -> None:
@@ -96,21 +90,46 @@ def parallelize(
         raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
     config = config or HybridEPConfig()
     found = check_shardable(model)
-    world, _ = _world()
-    # One layout for all layers: resolved against the gcd of the layers' expert counts.
-    dp, ep = config.resolve(world, math.gcd(*(m.num_experts for _, m in found)))
+    mesh, tables = _apply_layout(config=config, found=found)
+    if not any(p.is_meta for p in model.parameters()):
+        _check_same_everywhere(model, tables, mesh)
+    layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh)
+    if materialize is not None:
+        _agree(mesh, materialize, model, layers)
+    _apply_router_controls(model=model, config=config, layers=layers)
+    if config.dense_sharding == "fsdp":
+        _fully_shard_dense(model, layers, mesh)
+    reducer = _apply_gradient_reduction(model=model, config=config, layers=layers, mesh=mesh)
+    state = HybridEPState(config, mesh, layers, reducer, agreement=agreement)
+    attach(model, state)
+    _apply_hooks(model=model, state=state)
+    if config.expert_cache:
+        state.shadows = _apply_shadowing(config=config, layers=layers, mesh=mesh, reducer=reducer)
+    if config.rebalancing:
+        state.rebalancer = Rebalancer(model)
+    _wrap_save_pretrained(model)
+    _wrap_generate(model)
+    return model
+
+
+def _apply_layout(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]]) -> tuple[HybridMesh, list[PlacementTable]]:
+    """Resolve dp × ep for this world, build the mesh and one placement table per experts module.
+
+    One layout for all layers: resolved against the gcd of the layers' expert counts."""
+    dp, ep = config.resolve(world_size(), math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
     tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
     mesh = build_mesh(dp, ep, topology=config.topology)
     backend, why = choose_backend(config.dispatcher, mesh)
     if mesh.rank == 0:
         logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
-    if not any(p.is_meta for p in model.parameters()):
-        _check_same_everywhere(model, tables, mesh)
+    return mesh, tables
 
-    layers = []
-    # One counts-message width for every layer, so ranks in different layers still exchange equal sizes
-    # (wide enough for the tables online rebalancing may fit later).
+
+def _control_width(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], tables: list[PlacementTable],
+                   ep: int) -> int:
+    """Ints per counts message, equal for every layer so that ranks in different layers still exchange
+    equal sizes (wide enough for the tables online rebalancing may fit later)."""
     slots = max(t.slots_per_rank for t in tables)
     if config.rebalancing:
         for name, module in found:
@@ -119,55 +138,64 @@ def parallelize(
                     f"rebalancing: {name} has {module.num_experts} experts + rebalance_replicas="
                     f"{config.rebalance_replicas}, not a multiple of ep_degree={ep} (every rank holds as many slots)")
             slots = max(slots, (module.num_experts + config.rebalance_replicas) // ep)
-    control_width = slots + CONTROL_INTS
-    for (name, module), table in zip(found, tables, strict=True):
-        layer = ExpertParallelLayer(
-            name, module, table, mesh, config.dispatcher, config.check_finite, config.expert_alignment,
-            control_width=control_width,
-        )
+    return slots + CONTROL_INTS
+
+
+def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
+                           tables: list[PlacementTable], mesh: HybridMesh,
+                           ) -> tuple[list[ExpertParallelLayer], InputAgreement]:
+    """Replace every experts module's forward by an :class:`ExpertParallelLayer` holding this rank's
+    experts only; all layers share one cross-rank input agreement."""
+    options = EPLayerOptions.from_config(config, _control_width(config=config, found=found, tables=tables,
+                                                                ep=mesh.ep_degree))
+    names = {i: name for i, (name, _) in enumerate(found)}
+    agreement = InputAgreement(mesh, names)
+    layers = []
+    for i, ((name, module), table) in enumerate(zip(found, tables, strict=True)):
+        shared = find_shared_expert(model, name) if config.overlap_shared_expert else None
+        layer = ExpertParallelLayer(name, module, table, mesh, options, layer_id=i, layer_names=names,
+                                    agreement=agreement,
+                                    shared_overlap=None if shared is None else SharedExpertOverlap(*shared))
         layer.shard_()
         layers.append(layer)
-    names = {i: layer.name for i, layer in enumerate(layers)}
-    agreement = InputAgreement(mesh, names)
-    for i, layer in enumerate(layers):
-        layer.layer_id, layer.layer_names, layer.agreement = i, names, agreement
-    if materialize is not None:
-        _agree(mesh, materialize, model, layers)
+    return layers, agreement
+
+
+def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ExpertParallelLayer]) -> None:
+    """Router temperature, bias updates, device-load factors, load accounting; aux and z losses."""
     install_router_controls(model, layers, config)
-    for layer in layers:
-        layer.capacity_factor, layer.drop_policy = config.capacity_factor, config.drop_policy
-        layer.overlap_degree = config.overlap_degree
-        found_shared = find_shared_expert(model, layer.name) if config.overlap_shared_expert else None
-        if found_shared is not None:
-            layer.shared_overlap = SharedExpertOverlap(*found_shared)
     if config.aux_loss_coef or config.z_loss_coef:
         add_aux_losses_hook(model, layers)
+
+
+def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ExpertParallelLayer],
+                              mesh: HybridMesh) -> GradientReducer:
+    """The reducer: dense gradients over the world, each expert's over the ranks holding it."""
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
-    if config.dense_sharding == "fsdp":
-        _fully_shard_dense(model, layers, mesh)
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     homes, holder_groups, norm_weights = expert_homes(layers, mesh)
     reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
-    reducer = GradientReducer(mesh, list(model.parameters()), dense, homes, holder_groups, norm_weights,
-                              reduce_dense=reduce_dense, bucket_bytes=int(config.bucket_size_mb * 2**20),
-                              overlap=config.overlap_grad_reduce)
-    state = HybridEPState(config, mesh, layers, reducer, agreement=agreement)
-    attach(model, state)
-    reducer.on_backward_start.append(agreement.launch)  # before the first gradient bucket
-    reducer.on_backward_end.append(agreement.finish)
+    return GradientReducer(mesh, list(model.parameters()), dense, homes, holder_groups, norm_weights,
+                           reduce_dense=reduce_dense, bucket_bytes=int(config.bucket_size_mb * 2**20),
+                           overlap=config.overlap_grad_reduce)
+
+
+def _apply_hooks(*, model: nn.Module, state: HybridEPState) -> None:
+    """Input agreement around backward; gradient buffers before a forward; ZeRO-1 waits before reads."""
+    state.reducer.on_backward_start.append(state.agreement.launch)  # before the first gradient bucket
+    state.reducer.on_backward_end.append(state.agreement.finish)
     model.register_forward_pre_hook(_before_forward)
     model.register_forward_hook(_after_forward)
     model.register_state_dict_pre_hook(lambda module, *args, **kwargs: wait_for_parameters(module))
-    if config.expert_cache:
-        shadows = ShadowManager(layers, mesh, config.expert_cache_capacity)
-        reducer.pre_reduce_hooks.append(shadows.return_gradients)
-        reducer.hold_expert_buckets = shadows.returns_pending
-        state.shadows = shadows
-    if config.rebalancing:
-        state.rebalancer = Rebalancer(model)
-    _wrap_save_pretrained(model)
-    _wrap_generate(model)
-    return model
+
+
+def _apply_shadowing(*, config: HybridEPConfig, layers: list[ExpertParallelLayer], mesh: HybridMesh,
+                     reducer: GradientReducer) -> ShadowManager:
+    """Hot-expert shadowing: shadows' gradients go home before the expert buckets are reduced."""
+    shadows = ShadowManager(layers, mesh, config.expert_cache_capacity)
+    reducer.pre_reduce_hooks.append(shadows.return_gradients)
+    reducer.hold_expert_buckets = shadows.returns_pending
+    return shadows
 
 
 def _before_forward(model: nn.Module, args) -> None:

@@ -32,8 +32,9 @@ def host_ints(t: torch.Tensor) -> list[int]:
 
 
 @dataclass
-class DispatchHandle:
-    """What :meth:`TorchDispatcher.combine` needs to undo a dispatch.
+class DispatchHandle(PendingExchange):
+    """What :meth:`TorchDispatcher.combine` needs to undo a dispatch; ``wait()`` completes the token
+    exchange of an asynchronous ``send(..., async_op=True)``.
 
     Attributes:
         order: ``[T*k]`` permutation that sorted the sender's (token, k) pairs by (EP rank, slot);
@@ -77,11 +78,6 @@ class DispatchHandle:
             self._position[self.order] = torch.arange(self.order.numel(), device=self.order.device)
         return self._position
 
-    def wait(self) -> None:
-        """Complete an asynchronous token exchange started by ``send(..., async_op=True)``."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -14,34 +14,18 @@ precedence flags > environment > file. The file accepts::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ENV_PREFIX, HybridEPConfig, read_yaml_mapping
+from ..config import HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
 OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
 OPTIMIZER_KEYS = {"lr": "learning_rate", "learning_rate": "learning_rate", "weight_decay": "weight_decay",
                   "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon"}
-
-
-def _engine_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(HybridEPConfig) if not f.name.startswith("_")]
-
-
-def _env_values() -> dict[str, Any]:
-    import yaml
-
-    values = {}
-    for f in _engine_fields():
-        raw = os.environ.get(ENV_PREFIX + f.name.upper())
-        if raw not in (None, ""):
-            values[f.name] = yaml.safe_load(raw)  # "2" -> 2, "false" -> False, "[[0, 1]]" -> list
-    return values
 
 
 def check_optimizer_block(optimizer: Any, where: str) -> None:
@@ -70,13 +54,14 @@ class HybridEPPlugin:
             loaded = read_yaml_mapping(file, "hybrid-EP config file")
             check_optimizer_block(loaded.get("optimizer"), f"hybrid-EP config file {str(file)!r}")
             data.update(loaded)
-        data.update(_env_values())
+        data.update(env_values())
         data.update({k: v for k, v in (flags or {}).items() if v is not None})
-        known = {f.name for f in _engine_fields()} | set(TRAINING_KEYS) | {"optimizer"}
+        engine_fields = set(config_fields())
+        known = engine_fields | set(TRAINING_KEYS) | {"optimizer"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise HybridEPConfigError(f"unknown hybrid-EP setting(s) {unknown}; known: {sorted(known)}")
-        engine = {k: v for k, v in data.items() if k in {f.name for f in _engine_fields()}}
+        engine = {k: v for k, v in data.items() if k in engine_fields}
         config = HybridEPConfig(**engine, _env_applied=True)
         return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"))
 

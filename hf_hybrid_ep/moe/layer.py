@@ -8,6 +8,9 @@ combines the returned rows with the routing weights. See docs/architecture.md, "
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -17,6 +20,36 @@ from ..parallel.agreement import InputAgreement, input_flags
 from ..parallel.mesh import HybridMesh, all_gather_flat
 from .discovery import ExpertsLayout, expert_parameter_names
 from .routing import apply_capacity
+
+if TYPE_CHECKING:
+    from ..config import HybridEPConfig
+
+
+@dataclass(frozen=True)
+class EPLayerOptions:
+    """How an :class:`ExpertParallelLayer` runs (from :class:`~hf_hybrid_ep.HybridEPConfig`).
+
+    Attributes:
+        dispatcher: backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"hierarchical"``).
+        check_finite: raise on every rank when a layer's input holds NaN or inf.
+        alignment: rows per expert padded to a multiple of this (the Triton backend's tile).
+        control_width: ints per counts message (equal for every layer, see ``parallelize``).
+        capacity_factor / drop_policy: token capacity per expert and which pairs are dropped over it.
+        overlap_degree: token chunks whose exchanges overlap the experts' compute.
+    """
+
+    dispatcher: str = "auto"
+    check_finite: bool = False
+    alignment: int = 1
+    control_width: int | None = None
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    overlap_degree: int = 1
+
+    @classmethod
+    def from_config(cls, config: HybridEPConfig, control_width: int | None = None) -> EPLayerOptions:
+        return cls(config.dispatcher, config.check_finite, config.expert_alignment, control_width,
+                   config.capacity_factor, config.drop_policy, config.overlap_degree)
 
 
 class ExpertParallelLayer:
@@ -34,34 +67,43 @@ class ExpertParallelLayer:
         module: nn.Module,
         table: PlacementTable,
         mesh: HybridMesh,
-        dispatcher: str,
-        check_finite: bool,
-        alignment: int = 1,
-        control_width: int | None = None,
+        options: EPLayerOptions,
+        *,
+        layer_id: int = 0,
+        layer_names: dict[int, str] | None = None,
+        agreement: InputAgreement | None = None,
+        shared_overlap: SharedExpertOverlap | None = None,
     ) -> None:
+        """``layer_id``: position among the model's EP layers (in every counts message);
+        ``layer_names``: all of them by id (for error messages); ``agreement``: the model's cross-rank
+        input check; ``shared_overlap``: the block's shared expert, run during the combine exchange."""
         self.name = name
         self.module = module
         self.table = table
         self.mesh = mesh
-        self.check_finite = check_finite
+        self.options = options
+        self.check_finite = options.check_finite
+        self.capacity_factor = options.capacity_factor
+        self.drop_policy = options.drop_policy
+        self.overlap_degree = options.overlap_degree
         self.layout = ExpertsLayout.of(module)
         self.num_experts = table.num_experts
         self.local_experts = table.local_experts(mesh.ep_rank)
         self.param_names = expert_parameter_names(name, module)
         self.stats = CommStats()
-        self.routing = None  # a routing.LayerRouting, attached by parallelize
-        self.capacity_factor: float | None = None
-        self.drop_policy = "probs"
-        self.overlap_degree = 1
-        self.shared_overlap: SharedExpertOverlap | None = None
-        self.layer_id = 0  # position among the model's EP layers, set by parallelize
-        self.layer_names: dict[int, str] = {}
+        self.routing = None  # a routing.LayerRouting, attached by install_router_controls
+        self.shared_overlap = shared_overlap
+        self.layer_id = layer_id
+        self.layer_names: dict[int, str] = layer_names or {layer_id: name}
         self.shadows = None  # a shadow.LayerShadows while hot-expert shadowing holds remote experts here
-        self.agreement: InputAgreement | None = None  # the model's, attached by parallelize
-        self._dispatcher_args = (dispatcher, alignment, control_width)
-        self.dispatcher = make_dispatcher(dispatcher, table, mesh, self.stats, alignment=alignment,
-                                          control_width=control_width)
+        self.agreement = agreement
+        self.dispatcher = self._make_dispatcher(table)
         self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
+
+    def _make_dispatcher(self, table: PlacementTable):
+        o = self.options
+        return make_dispatcher(o.dispatcher, table, self.mesh, self.stats, alignment=o.alignment,
+                               control_width=o.control_width)
 
     def shard_(self) -> None:
         """Replace each per-expert parameter by a fresh parameter holding only this rank's slots."""
@@ -79,12 +121,10 @@ class ExpertParallelLayer:
         if table.num_experts != self.num_experts or table.ep_degree != self.table.ep_degree:
             raise HybridEPConfigError(f"{self.name}: a new table must keep {self.num_experts} experts over "
                                       f"{self.table.ep_degree} EP ranks")
-        name, alignment, control_width = self._dispatcher_args
         self.table = table
         self.local_experts = table.local_experts(self.mesh.ep_rank)
         self.module.num_experts = len(self.local_experts)
-        self.dispatcher = make_dispatcher(name, table, self.mesh, self.stats, alignment=alignment,
-                                          control_width=control_width)
+        self.dispatcher = self._make_dispatcher(table)
 
     @torch.no_grad()
     def gather_full(self, pname: str) -> torch.Tensor:

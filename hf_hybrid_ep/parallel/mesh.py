@@ -12,6 +12,7 @@ their groups (creating a group is a collective over the whole world).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,14 @@ def default_device_type() -> str:
     return "cpu"
 
 
+def world_size(*, launched: bool = False) -> int:
+    """Ranks of the initialised default process group; else, with ``launched``, ``WORLD_SIZE`` of a job
+    started by a launcher that has not initialised ``torch.distributed`` yet; else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) if launched else 1
+
+
 def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
                topology: Topology | str | None = None) -> HybridMesh:
     """Build (or reuse) the ``("dp", "ep")`` mesh for the current world.
@@ -108,7 +117,7 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
             straddle a node boundary.
     """
     initialized = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialized else 1
+    world = world_size()
     if dp_degree * ep_degree != world:
         raise ValueError(
             f"dp_degree × ep_degree = {dp_degree} × {ep_degree} does not equal the world size {world}"

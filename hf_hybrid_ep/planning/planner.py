@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoConfig, PretrainedConfig
 
 from ..checkpoint.layout import _from_config
+from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
 from ..moe.discovery import check_shardable, expert_parameter_names
 from ..parallel.topology import Topology, ep_group_layout
 
@@ -77,8 +78,6 @@ if TYPE_CHECKING:
 
 KNOWN_CONFIGS = Path(__file__).resolve().parent.parent / "known_configs"
 RECIPES = {"bf16-adamw": (2, 2, 12), "fp32-adamw": (4, 4, 8), "bf16-sgd": (2, 2, 4)}  # weights, grads, optimizer
-OPTIMIZER_SHARDINGS = ("none", "zero1")
-DENSE_SHARDINGS = ("replicate", "fsdp")
 
 
 @dataclass(frozen=True)

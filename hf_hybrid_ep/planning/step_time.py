@@ -78,11 +78,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
 from .planner import (
-    DENSE_SHARDINGS,
-    OPTIMIZER_SHARDINGS,
     RECIPES,
     ModelCounts,
     _allreduce_split,
@@ -419,14 +418,3 @@ def calibrate_compute(budget_s: float = 10.0, device: str | None = None, layers:
     median = times[len(times) // 2]
     return Calibration(flops_per_s=6 * n**3 * layers / median, device=str(dev), dtype=str(dtype).removeprefix("torch."),
                        size=n, layers=layers, repeats=len(times), seconds=time.perf_counter() - start)
-
-
-def launched_world() -> int:
-    """World size of a launched job (``torch.distributed`` initialised, or ``WORLD_SIZE`` set), else 1."""
-    import os
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
