@@ -1,0 +1,109 @@
+"""Expected and traced token traffic of a placement per link class (pair and node-deduplicated sends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ...dispatch.table import PlacementTable
+from ...errors import HybridEPConfigError
+from ...parallel.topology import Topology
+from .stats import RoutingStats
+
+
+def _levels(ep_degree: int, topology: Topology | str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Node and rack of every EP rank of one EP group (ranks ``0 … ep−1``)."""
+    topo = Topology.of(topology)
+    ranks = np.arange(ep_degree)
+    return (np.array([topo.node_of(int(r)) for r in ranks]), np.array([topo.rack_of(int(r)) for r in ranks]))
+
+
+def _destination_probs(table: PlacementTable) -> np.ndarray:
+    """``P[s, e, r]``: probability that an assignment of expert e from EP rank s goes to rank r."""
+    ep, E = table.ep_degree, table.num_experts
+    P = np.zeros((ep, E, ep))
+    for e in range(E):
+        holders = table.holders(e)
+        for s in range(ep):
+            if s in holders:
+                P[s, e, s] = 1.0
+            else:
+                P[s, e, holders] = 1.0 / len(holders)
+    return P
+
+
+def _group_probs(P: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """Sum ``P[s, e, r]`` over the ranks r of each node (or rack): ``[ep, E, groups]``."""
+    out = np.zeros((*P.shape[:2], int(of.max()) + 1))
+    for r, g in enumerate(of):
+        out[:, :, g] += P[:, :, r]
+    return out
+
+
+def expected_traffic(stats: RoutingStats, table: PlacementTable, topology: Topology | str | None) -> dict[str, float]:
+    """Expected token sends per direction under the traffic model of this module.
+
+    Returns ``assignments`` (Σ N_e), pair traffic by link level (``local``, ``intra_node``,
+    ``inter_node``, ``cross_rack``), and, when co-activation counts are present, the node-deduplicated
+    ``cross_node`` and ``cross_rack_dedup`` sends (``None`` otherwise).
+    """
+    if table.num_experts != stats.num_experts:
+        raise HybridEPConfigError(f"placement has {table.num_experts} experts, the statistics {stats.num_experts}")
+    ep = table.ep_degree
+    node, rack = _levels(ep, topology)
+    P = _destination_probs(table)
+    N = stats.loads
+    per_dest = np.einsum("e,ser->sr", N, P) / ep  # [src, dest] expected sends
+    level = np.where(np.arange(ep)[:, None] == np.arange(ep)[None, :], 0,
+                     np.where(node[:, None] == node[None, :], 1, np.where(rack[:, None] == rack[None, :], 2, 3)))
+    out = {"assignments": float(N.sum())}
+    for i, name in enumerate(("local", "intra_node", "inter_node", "cross_rack")):
+        out[name] = float(per_dest[level == i].sum())
+    out["cross_node"] = out["cross_rack_dedup"] = None
+    if stats.coactivation is not None:
+        C = stats.coactivation
+        for key, of in (("cross_node", node), ("cross_rack_dedup", rack)):
+            q = _group_probs(P, of)  # [src, E, groups]
+            total = 0.0
+            for s in range(ep):
+                remote = np.arange(q.shape[2]) != of[s]
+                qs = q[s][:, remote]  # [E, remote groups]
+                total += float(N @ qs.sum(1) - 0.5 * np.einsum("ag,ab,bg->", qs, C, qs))
+            out[key] = total / ep
+    return out
+
+
+def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology: Topology | str | None,
+                  sources: Sequence[int] | None = None) -> dict[str, float]:
+    """Exact expected node- and rack-deduplicated sends of recorded top-k indices (one ``[T, k]`` array
+    per layer, ``-1`` for dropped), for any k: a token from source s touches node n with probability
+    ``1 − Π_j (1 − q[s, e_j, n])`` (replica choices independent).
+
+    ``sources``: the EP rank that sent each array (one per array); by default every token is equally
+    likely to come from each EP rank. With the sources and a table without replicas the result is the
+    exact count the hierarchical dispatcher sends (its cross-node rows in one direction)."""
+    ep = table.ep_degree
+    node, rack = _levels(ep, topology)
+    P = _destination_probs(table)
+    if sources is not None and len(sources) != len(indices):
+        raise HybridEPConfigError(f"trace_traffic: {len(sources)} sources for {len(indices)} index arrays")
+    out = {"cross_node": 0.0, "cross_rack_dedup": 0.0, "tokens": 0}
+    for key, of in (("cross_node", node), ("cross_rack_dedup", rack)):
+        q = _group_probs(P, of)
+        q = np.concatenate([q, np.zeros((ep, 1, q.shape[2]))], axis=1)  # row E: a dropped choice
+        for i, index in enumerate(indices):
+            index = np.asarray(index).reshape(len(index), -1)
+            index = np.where(index >= 0, index, table.num_experts)
+            senders = range(ep) if sources is None else [int(sources[i])]
+            for s in senders:
+                touched = 1.0 - np.prod(1.0 - q[s][index], axis=1)  # [T, groups]
+                remote = np.arange(q.shape[2]) != of[s]
+                out[key] += float(touched[:, remote].sum()) / len(senders)
+    out["tokens"] = int(sum(len(i) for i in indices))
+    return out
+
+
+def _sum_traffic(parts: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+    return {k: None if any(p[k] is None for p in parts) else float(sum(p[k] for p in parts)) for k in parts[0]}
