@@ -160,7 +160,8 @@ def shadow_bench(args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: trace replay (default), ``--prefetch-capacity``, or ``--shadow`` (under torchrun)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo config, random init)")
     parser.add_argument("--out", default="bench_cache")
@@ -174,7 +175,57 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
-    args = parser.parse_args()
+    return parser
+
+
+def _policy_sweep(traces: dict[str, list[list[int]]], capacities: list[int], expert_bytes: int) -> dict:
+    """Every policy × capacity (resident experts per layer) over all traces: ``{policy: {capacity: {"hit_rate",
+    "bytes_moved"}}}`` (bytes moved = experts loaded × ``expert_bytes``)."""
+    results = {policy: {} for policy in POLICIES}
+    for policy in POLICIES:
+        for capacity in capacities:
+            hits = misses = moved = 0
+            for trace in traces.values():
+                stats = replay(trace, capacity, policy, expert_bytes)
+                hits, misses, moved = hits + stats.hits, misses + stats.misses, moved + stats.bytes_loaded
+            results[policy][capacity] = {"hit_rate": hits / max(1, hits + misses), "bytes_moved": moved}
+    return results
+
+
+def _hit_rate_chart(results: dict, capacities: list[int], title: str, path: Path) -> None:
+    """Hit rate against capacity, one line per policy, saved at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for policy in POLICIES:
+        ax.plot(capacities, [results[policy][c]["hit_rate"] for c in capacities], marker="o", label=policy)
+    ax.set_xlabel("resident experts per layer")
+    ax.set_ylabel("hit rate")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _print_prefetch(report: dict, capacity: int) -> None:
+    """The per-layer table of ``prefetch_report``: hit rates without and with prefetch, its recall and precision."""
+    print(f"offloaded sampled decoding, {capacity} resident experts per layer, lru, "
+          "experts memory-mapped from safetensors:")
+    print("| layer | hit rate, plain | hit rate, prefetch | prefetch recall | prefetch precision |")
+    print("|---|---|---|---|---|")
+    for name in report["plain"]:
+        plain, pre = report["plain"][name], report["prefetch"][name]
+        recall = f"{pre['prefetch_recall']:.3f}" if pre["used"] else "— (first layer)"
+        precision = f"{pre['prefetch_precision']:.3f}" if pre["used"] else "—"
+        print(f"| {name} | {plain['hit_rate']:.3f} | {pre['hit_rate']:.3f} | {recall} | {precision} |")
+
+
+def main() -> None:
+    """Trace replay (and prefetch) in one process, or the shadowing benchmark under torchrun."""
+    args = _parser().parse_args()
     if args.shadow:
         shadow_bench(args)
         return
@@ -189,40 +240,21 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = torch.randint(3, vocab, (args.prompts, 8), generator=torch.Generator().manual_seed(0))
     traces = record_traces(model, prompts, args.new_tokens)
-    name, experts = next((n, m) for n, m in find_experts_modules(model))
+    _, experts = next((n, m) for n, m in find_experts_modules(model))
     num_experts = experts.num_experts
     expert_bytes = sum(p[0].numel() * p[0].element_size() for p in experts.parameters(recurse=False))
     capacities = sorted({c for c in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if c <= num_experts} | {num_experts})
     working_set = max(len(step) for trace in traces.values() for step in trace)
     capacities = [c for c in capacities if c >= working_set] or [num_experts]
-    results = {policy: {} for policy in POLICIES}
-    for policy in POLICIES:
-        for capacity in capacities:
-            hits = misses = moved = 0
-            for trace in traces.values():
-                stats = replay(trace, capacity, policy, expert_bytes)
-                hits, misses, moved = hits + stats.hits, misses + stats.misses, moved + stats.bytes_loaded
-            results[policy][capacity] = {"hit_rate": hits / max(1, hits + misses), "bytes_moved": moved}
+    results = _policy_sweep(traces, capacities, expert_bytes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_cache.json").write_text(json.dumps({
         "model": args.model or "demo config (random init)", "num_experts": num_experts,
         "layers": len(traces), "steps": len(next(iter(traces.values()))), "working_set_max": working_set,
         "results": results}, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for policy in POLICIES:
-        ax.plot(capacities, [results[policy][c]["hit_rate"] for c in capacities], marker="o", label=policy)
-    ax.set_xlabel("resident experts per layer")
-    ax.set_ylabel("hit rate")
-    ax.set_title(f"{num_experts} experts, {len(traces)} layer×prompt traces, decoding")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "hit_rate.png", dpi=120)
+    _hit_rate_chart(results, capacities, f"{num_experts} experts, {len(traces)} layer×prompt traces, decoding",
+                    out / "hit_rate.png")
     print(f"{len(traces)} traces (layers × prompts) × {len(next(iter(traces.values())))} decoding steps, {num_experts} experts, "
           f"largest working set per step {working_set}")
     print("| capacity | " + " | ".join(POLICIES) + " |")
@@ -234,16 +266,7 @@ def main() -> None:
         store = Path(args.model) if args.model else out / "store"  # a hybrid-EP checkpoint's expert files
         report = prefetch_report(model, prompts, args.new_tokens, args.prefetch_capacity, store)
         (out / "bench_prefetch.json").write_text(json.dumps(report, indent=1))
-        print(f"offloaded sampled decoding, {args.prefetch_capacity} resident experts per layer, lru, "
-              "experts memory-mapped from safetensors:")
-        print("| layer | hit rate, plain | hit rate, prefetch | prefetch recall | prefetch precision |")
-        print("|---|---|---|---|---|")
-        for name in report["plain"]:
-            plain, pre = report["plain"][name], report["prefetch"][name]
-            recall = f"{pre['prefetch_recall']:.3f}" if pre["used"] else "— (first layer)"
-            precision = f"{pre['prefetch_precision']:.3f}" if pre["used"] else "—"
-            print(f"| {name} | {plain['hit_rate']:.3f} | {pre['hit_rate']:.3f} | {recall} | {precision} |")
-
+        _print_prefetch(report, args.prefetch_capacity)
 
 if __name__ == "__main__":
     main()

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inter-node-latency-ms", type=float, default=0.5)
     args = parser.parse_args(argv)
     started = time.monotonic()
-    bt._clean_start()
+    bt.clean_start()
     work = Path(tempfile.mkdtemp(prefix=bt.PREFIX))
     report: dict = {"model": dataclasses.asdict(WIDE), "topology": TOPOLOGY, "machine": bt.machine_info(),
                     "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}

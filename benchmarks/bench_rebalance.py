@@ -238,7 +238,8 @@ def _expert_flop_share(config) -> float:
     return layers * experts / (layers * (attention + experts + router) + H * config.vocab_size)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (``--worker``, ``--data`` and ``--out`` are set by the launch for the ranks)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("demo", "wide"), default="demo")
     parser.add_argument("--steps", type=int, default=80)
@@ -250,12 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    if args.steps < 2 or args.every < 1:
-        parser.error(f"--steps {args.steps} must be ≥ 2 and --every {args.every} ≥ 1")
+    return parser
+
+
+def _run_real(args: argparse.Namespace) -> tuple[Path, float]:
+    """The demo corpus in blocks of 64 tokens, then the static and online runs under torchrun (``WORLD``
+    processes). → (their directory: ``real.json``, ``traces_static.npz``, ``traces_online.npz``; the
+    ``time.time()`` at launch)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train import demo_corpus, demo_tokenizer, pack
 
@@ -270,16 +272,16 @@ def main(argv: list[str] | None = None) -> int:
            *(["--balance-only"] if args.balance_only else [])]
     started = time.time()
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    real = json.loads((work / "real.json").read_text())
-    config = _model_config(args.model)
-    E, k = config.num_experts, config.num_experts_per_tok
-    traces = _load_traces(work / "traces_online.npz")
+    return work, started
 
-    # real EP 4: the table in force at each step, as recorded
-    real_static = _per_step(_load_traces(work / "traces_static.npz"),
-                            lambda n, s: _table(real["static"]["tables"][s][n], E), E, REAL_TOPOLOGY)
-    real_online = _per_step(traces, lambda n, s: _table(real["online"]["tables"][s][n], E), E, REAL_TOPOLOGY)
-    half = args.steps // 2
+
+def _real_figures(real: dict, static_traces, online_traces, config, steps: int) -> dict:
+    """The real runs at EP 4: loss agreement, wall seconds, every rebalance's seconds and bytes, the worst-layer
+    imbalance per step under the table in force (and its second-half mean), and the break-even interval (steps)."""
+    E = config.num_experts
+    real_static = _per_step(static_traces, lambda n, s: _table(real["static"]["tables"][s][n], E), E, REAL_TOPOLOGY)
+    real_online = _per_step(online_traces, lambda n, s: _table(real["online"]["tables"][s][n], E), E, REAL_TOPOLOGY)
+    half = steps // 2
     losses_rel = max(abs(a - b) / abs(b) for a, b in zip(real["online"]["losses"], real["static"]["losses"],
                                                          strict=True))
     events = real["online"]["events"]
@@ -288,30 +290,47 @@ def main(argv: list[str] | None = None) -> int:
     share = _expert_flop_share(config)
     imb_before = float(np.mean([max(e["imbalance_before"].values()) for e in moved])) if moved else float("nan")
     imb_after = float(np.mean([max(e["imbalance_after"].values()) for e in moved])) if moved else float("nan")
-    step_s = real["static"]["seconds"] / args.steps
+    step_s = real["static"]["seconds"] / steps
     saved_per_step = step_s * share * (1 - imb_after / imb_before) if moved else 0.0
     per_rebalance = rebalance_s / max(1, len(events))
+    return {
+        "losses_max_rel_diff": losses_rel,
+        "seconds_static": real["static"]["seconds"], "seconds_online": real["online"]["seconds"],
+        "rebalances": len(events), "rebalances_moved": len(moved),
+        "rebalance_seconds_total": rebalance_s, "rebalance_seconds_each": [e["seconds"] for e in events],
+        "fit_seconds_total": sum(e["fit_seconds"] for e in events),
+        "rebalance_share_of_online_time": rebalance_s / real["online"]["seconds"],
+        "bytes_sent_per_rank": real["online"]["bytes_sent_per_rank"],
+        "ep4_second_half_worst_imbalance_mean": {
+            "contiguous (static run)": float(np.mean(real_static["worst_layer_imbalance"][half:])),
+            "online": float(np.mean(real_online["worst_layer_imbalance"][half:]))},
+        "ep4_worst_imbalance_per_step": {"static": real_static["worst_layer_imbalance"],
+                                         "online": real_online["worst_layer_imbalance"]},
+        "expert_flop_share": share,
+        "break_even_steps": per_rebalance / saved_per_step if saved_per_step > 0 else None,
+        "events": events,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank (``--worker``), or the whole benchmark: the real runs, their figures, the replay at EP 8."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.steps < 2 or args.every < 1:
+        parser.error(f"--steps {args.steps} must be ≥ 2 and --every {args.every} ≥ 1")
+    work, started = _run_real(args)
+    real = json.loads((work / "real.json").read_text())
+    config = _model_config(args.model)
+    E, k = config.num_experts, config.num_experts_per_tok
+    traces = _load_traces(work / "traces_online.npz")
     result = {
         "model": args.model, "steps": args.steps, "every": args.every, "world": WORLD,
         "balance_only": args.balance_only,
         "experts": E, "top_k": k, "layers": config.num_hidden_layers,
-        "real": {
-            "losses_max_rel_diff": losses_rel,
-            "seconds_static": real["static"]["seconds"], "seconds_online": real["online"]["seconds"],
-            "rebalances": len(events), "rebalances_moved": len(moved),
-            "rebalance_seconds_total": rebalance_s, "rebalance_seconds_each": [e["seconds"] for e in events],
-            "fit_seconds_total": sum(e["fit_seconds"] for e in events),
-            "rebalance_share_of_online_time": rebalance_s / real["online"]["seconds"],
-            "bytes_sent_per_rank": real["online"]["bytes_sent_per_rank"],
-            "ep4_second_half_worst_imbalance_mean": {
-                "contiguous (static run)": float(np.mean(real_static["worst_layer_imbalance"][half:])),
-                "online": float(np.mean(real_online["worst_layer_imbalance"][half:]))},
-            "ep4_worst_imbalance_per_step": {"static": real_static["worst_layer_imbalance"],
-                                             "online": real_online["worst_layer_imbalance"]},
-            "expert_flop_share": share,
-            "break_even_steps": per_rebalance / saved_per_step if saved_per_step > 0 else None,
-            "events": events,
-        },
+        "real": _real_figures(real, _load_traces(work / "traces_static.npz"), traces, config, args.steps),
         "replay_ep8": replay(traces, E, k, args.every, 8, SIM_TOPOLOGY, 8, balance_only=args.balance_only),
         "wall_s": time.time() - started,
     }
@@ -319,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
-
 
 def _table(rows, E):
     from hf_hybrid_ep.dispatch import PlacementTable
