@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 
@@ -76,7 +77,7 @@ def train_parity(
     """
     import faults
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     model, ref = _build(model_type, num_experts)
     if skew is not None:
         _skew_routers(model, *skew)
@@ -92,75 +93,124 @@ def train_parity(
                                 overlap_grad_reduce=overlap_grad_reduce, rebalance_every=rebalance_every,
                                 rebalance_replicas=rebalance_replicas, rebalance_when_imbalance_over=rebalance_over,
                                 topology=topology, overlap_degree=overlap_degree)
+    model = _hybrid_model(model, ref, config, load_from)
+    if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
+        model.activation_checkpointing_enable()
+    opt, ref_opt, ref_optimizer = _optimizers(model, ref, lr)
+    batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
+               for step in range(steps)]
+    shadowing = expert_cache_capacity is not None
+    routing = shadowing or rebalance_every is not None or rebalance_over is not None
+    with faults.injected(fault, model):
+        run = _train_steps(model, ref, (opt, ref_opt), batches, accum, max_norm, shadowing, routing)
+    params = dict(model.named_parameters())
+    view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
+    spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
+                                                     view)
+    return _parity_report(model, ref, run, max_norm, measured_names, spread_of, step_budget=2 * steps * lr)
+
+
+def _hybrid_model(model, ref, config, load_from):
+    """``model`` parallelized with ``config`` or, with ``load_from``, the same weights loaded rank-locally from
+    that checkpoint (in the reference's attention implementation, in training mode)."""
     if load_from is not None:
         model = hep.from_pretrained(load_from, config)
         model.set_attn_implementation(ref.config._attn_implementation)
         model.train()
     else:
         hep.parallelize(model, config)
-    if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
-        model.activation_checkpointing_enable()
+    return model
+
+
+def _optimizers(model, ref, lr):
+    """AdamW for the hybrid model and for the reference, and the reference's factory (for the measured spread)."""
     opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
     implementation = {k: v for k, v in opt.defaults.items() if k in ("fused", "foreach") and v}
 
     def ref_optimizer(params):  # the hybrid run's implementation (fused AdamW here), so only the engine differs
         return torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS, **implementation)
 
-    ref_opt = ref_optimizer(ref.parameters())
+    return opt, ref_optimizer(ref.parameters()), ref_optimizer
+
+
+@dataclasses.dataclass
+class _TrainingRun:
+    """What :func:`_train_steps` measured: per micro-batch, per step, and at step 0."""
+
+    loss_diffs: list = dataclasses.field(default_factory=list)
+    norm_diffs: list = dataclasses.field(default_factory=list)
+    norms: list = dataclasses.field(default_factory=list)
+    grad_diffs: list = dataclasses.field(default_factory=list)
+    frozen_with_grad: list = dataclasses.field(default_factory=list)
+    shadow_steps: list = dataclasses.field(default_factory=list)
+    tables: list = dataclasses.field(default_factory=list)
+
+
+def _train_steps(model, ref, optimizers, batches, accum, max_norm, shadowing, routing):
+    """One optimizer step of both models per entry of ``batches`` (accumulated, clipped); with ``shadowing``
+    the step's shadow counters, with ``routing`` the tables before each ``routing_step``."""
     ref_grads = dict(ref.named_parameters())
-    batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
-               for step in range(steps)]
-    loss_diffs, norm_diffs, norms, grad_diffs, shadow_steps, tables = [], [], [], [], [], []
-    with faults.injected(fault, model):
-        for step in range(steps):
-            for micro, batch in enumerate(batches[step]):
-                sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
-                with sync:
-                    loss = model(**_rank_slice(batch, rank)).loss
-                    (loss / accum).backward()
-                ref_loss = ref(**batch).loss
-                (ref_loss / accum).backward()
-                mean_loss = loss.detach().clone()
-                dist.all_reduce(mean_loss)
-                loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-            if step == 0:
-                grad_diffs = _grad_diffs(model, ref_grads)
-                frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
-            norm = hep.clip_grad_norm_(model, max_norm)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-            norms.append(ref_norm.item())
-            norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
-            if expert_cache_capacity is not None:
-                shadow_steps.append(_shadow_step_counters(model))
-                hep.reset_comm_stats(model)
-            if expert_cache_capacity is not None or rebalance_every is not None or rebalance_over is not None:
-                tables.append(_tables(model))
-                hep.routing_step(model)
-    params = dict(model.named_parameters())
-    view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
-    spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
-                                                     view)
+    run = _TrainingRun()
+    for step in range(len(batches)):
+        run.loss_diffs += _accumulate(model, ref, batches[step], accum)
+        if step == 0:
+            run.grad_diffs = _grad_diffs(model, ref_grads)
+            run.frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        norm = hep.clip_grad_norm_(model, max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        run.norms.append(ref_norm.item())
+        run.norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+        if shadowing:
+            run.shadow_steps.append(_shadow_step_counters(model))
+            hep.reset_comm_stats(model)
+        if routing:
+            run.tables.append(_tables(model))
+            hep.routing_step(model)
+    return run
+
+
+def _accumulate(model, ref, micro_batches, accum):
+    """Forward and backward of one step's micro-batches (the hybrid model on this rank's slice, gradients
+    synchronised on the last; the reference on the global batch); each mean loss's relative difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_diffs = []
+    for micro, batch in enumerate(micro_batches):
+        sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
+        with sync:
+            loss = model(**_rank_slice(batch, rank)).loss
+            (loss / accum).backward()
+        ref_loss = ref(**batch).loss
+        (ref_loss / accum).backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    return loss_diffs
+
+
+def _parity_report(model, ref, run, max_norm, measured_names, spread_of, step_budget):
+    """The result of :func:`train_parity`: tables, rebalances, buckets, the measured differences and
+    :mod:`parity`'s check of the final parameters."""
     reducer = hep.state_of(model).reducer
     rebalancer = hep.state_of(model).rebalancer
     return {
-        "tables": [*tables, _tables(model)],  # before each routing_step, and at the end
+        "tables": [*run.tables, _tables(model)],  # before each routing_step, and at the end
         "rebalances": [] if rebalancer is None else [(e.step, e.bytes_sent) for e in rebalancer.events],
-        "shadow_steps": shadow_steps,
+        "shadow_steps": run.shadow_steps,
         "buckets": [(b.kind, b.size, b.numel) for b in reducer.active_buckets()],
         "launched_in_backward": reducer.stats.buckets_launched_in_backward,
-        "max_loss_rel": max(loss_diffs),
-        "max_norm_rel": max(norm_diffs),
-        "max_grad_rel_step0": max(grad_diffs),
-        "clipped": any(n > max_norm for n in norms),
+        "max_loss_rel": max(run.loss_diffs),
+        "max_norm_rel": max(run.norm_diffs),
+        "max_grad_rel_step0": max(run.grad_diffs),
+        "clipped": any(n > max_norm for n in run.norms),
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
-        "frozen_with_grad": frozen_with_grad,
+        "frozen_with_grad": run.frozen_with_grad,
         "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
         "placements": {layer.name: [list(row) for row in layer.table.rows] for layer in hep.state_of(model).layers},
         "zero_initialised": sorted(measured_names),
-        **_compare_params(model, ref, measured_names, spread_of, step_budget=2 * steps * lr),
+        **_compare_params(model, ref, measured_names, spread_of, step_budget=step_budget),
     }
 
 
