@@ -10,6 +10,7 @@ group itself is set up by :class:`worker_pool.WorkerPool`.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import parity
 import torch
@@ -33,12 +34,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return parity.rel(a, b)
 
 
-def _global_inputs(model, world: int, seed: int, seq: int = SEQ) -> dict:
+def _global_inputs(model: torch.nn.Module, world: int, seed: int, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(seed)
     return tiny_inputs(model, BATCH_PER_RANK * world, seq, g)
 
 
-def _skew_routers(model, hot: list[int], bias: float) -> None:
+def _skew_routers(model: torch.nn.Module, hot: list[int], bias: float) -> None:
     """Make experts ``hot`` draw most tokens: raise their logits in every router's bias."""
     from hf_hybrid_ep.routing import find_router
 
@@ -60,7 +61,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _local_view(model, tensor_of_ref, p):
+def _local_view(model: torch.nn.Module, tensor_of_ref: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
     state = hep.state_of(model)
     for layer in state.layers:
         if any(p is q for q in layer.expert_parameters()):
@@ -68,7 +69,9 @@ def _local_view(model, tensor_of_ref, p):
     return tensor_of_ref
 
 
-def _compare_params(model, ref, measured_names=None, spread_of=None, step_budget=None) -> dict:
+def _compare_params(model: torch.nn.Module, ref: torch.nn.Module, measured_names: set[str] | None = None,
+                    spread_of: Callable[[list[str]], dict[str, float]] | None = None,
+                    step_budget: float | None = None) -> dict:
     """The ``final_params`` check of :mod:`parity` on this rank's parameters (local expert slots against the
     reference's same slots; FSDP2-sharded weights assembled whole)."""
     hep.wait_for_parameters(model)
@@ -78,12 +81,12 @@ def _compare_params(model, ref, measured_names=None, spread_of=None, step_budget
     return parity.compare_params(triples, measured_names, spread_of, step_budget)
 
 
-def _build(model_type: str, num_experts: int, top_k: int = 2):
+def _build(model_type: str, num_experts: int, top_k: int = 2) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     model = build_tiny_model(model_type, num_experts=num_experts, top_k=top_k)
     model.train()
     return model, copy.deepcopy(model)
 
 
-def _tables(model) -> dict[str, list[list[int]]]:
+def _tables(model: torch.nn.Module) -> dict[str, list[list[int]]]:
     return {layer.name: [list(r) for r in layer.table.rows] for layer in hep.state_of(model).layers}

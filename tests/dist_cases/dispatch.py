@@ -8,6 +8,7 @@ shared-expert overlap.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num
             capacity_factor=capacity_factor, overlap_degree=overlap_degree))
         traces: dict[str, list[torch.Tensor]] = {}
         for layer in hep.state_of(model).layers:
-            def count(index, dropped=0, _original=layer.routing.count, _name=layer.name, _traces=traces):
+            def count(index: torch.Tensor, dropped: int = 0, _original: Callable[..., None] = layer.routing.count,
+                      _name: str = layer.name, _traces: dict[str, list[torch.Tensor]] = traces) -> None:
                 _traces.setdefault(_name, []).append(index.detach().reshape(-1, index.shape[-1]).clone())
                 _original(index, dropped)
 

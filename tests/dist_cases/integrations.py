@@ -7,6 +7,8 @@ Accelerate's DDP. The Trainer's model, arguments and data come from :mod:`traine
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from tiny_models import build_tiny_model
@@ -19,7 +21,7 @@ from .common import ADAM_EPS, _build, _global_inputs, _rank_slice, _skew_routers
 def trainer_run(
     dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
     resume_from: str | None = None, verify_sync_steps: int = 0, optimizer_sharding: str = "none",
-    rebalance_every: int | None = None, rebalance_replicas: int = 0, **extra_args,
+    rebalance_every: int | None = None, rebalance_replicas: int = 0, **extra_args: Any,
 ) -> dict:
     """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
     import trainer_cases as tc

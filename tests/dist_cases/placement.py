@@ -7,6 +7,8 @@ biases) that drive rebalancing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -50,7 +52,7 @@ def group_creation_calls(dp: int, ep: int, sets: list[tuple[int, ...]]) -> list[
     calls = []
     real = dist.new_group
 
-    def recording(ranks, *args, **kwargs):
+    def recording(ranks: list[int], *args: Any, **kwargs: Any) -> Any:
         calls.append(list(ranks))
         return real(ranks, *args, **kwargs)
 
@@ -100,7 +102,7 @@ def rebalance_then_save(directory: str) -> dict:
             "loaded_tables": _tables(loaded)}
 
 
-def routing_metrics(dp: int, ep: int, steps: int = 3, **controls) -> dict:
+def routing_metrics(dp: int, ep: int, steps: int = 3, **controls: Any) -> dict:
     """Per-expert load metrics (and aux-loss-free biases) after a few steps on a given layout."""
     from hf_hybrid_ep.metrics import load_report
 

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import math
 import os
+from collections.abc import Callable, Iterable
 
 import parity
 import torch
@@ -110,7 +111,8 @@ def train_parity(
     return _parity_report(model, ref, run, max_norm, measured_names, spread_of, step_budget=2 * steps * lr)
 
 
-def _hybrid_model(model, ref, config, load_from):
+def _hybrid_model(model: torch.nn.Module, ref: torch.nn.Module, config: hep.HybridEPConfig,
+                  load_from: str | None) -> torch.nn.Module:
     """``model`` parallelized with ``config`` or, with ``load_from``, the same weights loaded rank-locally from
     that checkpoint (in the reference's attention implementation, in training mode)."""
     if load_from is not None:
@@ -122,12 +124,14 @@ def _hybrid_model(model, ref, config, load_from):
     return model
 
 
-def _optimizers(model, ref, lr):
+def _optimizers(model: torch.nn.Module, ref: torch.nn.Module, lr: float) -> tuple[
+        torch.optim.Optimizer, torch.optim.Optimizer, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]:
     """AdamW for the hybrid model and for the reference, and the reference's factory (for the measured spread)."""
     opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
     implementation = {k: v for k, v in opt.defaults.items() if k in ("fused", "foreach") and v}
 
-    def ref_optimizer(params):  # the hybrid run's implementation (fused AdamW here), so only the engine differs
+    # the hybrid run's implementation (fused AdamW here), so only the engine differs
+    def ref_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS, **implementation)
 
     return opt, ref_optimizer(ref.parameters()), ref_optimizer
@@ -137,16 +141,18 @@ def _optimizers(model, ref, lr):
 class _TrainingRun:
     """What :func:`_train_steps` measured: per micro-batch, per step, and at step 0."""
 
-    loss_diffs: list = dataclasses.field(default_factory=list)
-    norm_diffs: list = dataclasses.field(default_factory=list)
-    norms: list = dataclasses.field(default_factory=list)
-    grad_diffs: list = dataclasses.field(default_factory=list)
-    frozen_with_grad: list = dataclasses.field(default_factory=list)
-    shadow_steps: list = dataclasses.field(default_factory=list)
-    tables: list = dataclasses.field(default_factory=list)
+    loss_diffs: list[float] = dataclasses.field(default_factory=list)
+    norm_diffs: list[float] = dataclasses.field(default_factory=list)
+    norms: list[float] = dataclasses.field(default_factory=list)
+    grad_diffs: list[float] = dataclasses.field(default_factory=list)
+    frozen_with_grad: list[str] = dataclasses.field(default_factory=list)
+    shadow_steps: list[dict] = dataclasses.field(default_factory=list)
+    tables: list[dict[str, list[list[int]]]] = dataclasses.field(default_factory=list)
 
 
-def _train_steps(model, ref, optimizers, batches, accum, max_norm, shadowing, routing):
+def _train_steps(model: torch.nn.Module, ref: torch.nn.Module,
+                 optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer], batches: list[list[dict]],
+                 accum: int, max_norm: float, shadowing: bool, routing: bool) -> _TrainingRun:
     """One optimizer step of both models per entry of ``batches`` (accumulated, clipped); with ``shadowing``
     the step's shadow counters, with ``routing`` the tables before each ``routing_step``."""
     ref_grads = dict(ref.named_parameters())
@@ -172,7 +178,7 @@ def _train_steps(model, ref, optimizers, batches, accum, max_norm, shadowing, ro
     return run
 
 
-def _accumulate(model, ref, micro_batches, accum):
+def _accumulate(model: torch.nn.Module, ref: torch.nn.Module, micro_batches: list[dict], accum: int) -> list[float]:
     """Forward and backward of one step's micro-batches (the hybrid model on this rank's slice, gradients
     synchronised on the last; the reference on the global batch); each mean loss's relative difference."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -190,7 +196,9 @@ def _accumulate(model, ref, micro_batches, accum):
     return loss_diffs
 
 
-def _parity_report(model, ref, run, max_norm, measured_names, spread_of, step_budget):
+def _parity_report(model: torch.nn.Module, ref: torch.nn.Module, run: _TrainingRun, max_norm: float,
+                   measured_names: set[str], spread_of: Callable[[list[str]], dict[str, float]],
+                   step_budget: float) -> dict:
     """The result of :func:`train_parity`: tables, rebalances, buckets, the measured differences and
     :mod:`parity`'s check of the final parameters."""
     reducer = hep.state_of(model).reducer
@@ -214,7 +222,7 @@ def _parity_report(model, ref, run, max_norm, measured_names, spread_of, step_bu
     }
 
 
-def _shadow_step_counters(model) -> dict:
+def _shadow_step_counters(model: torch.nn.Module) -> dict:
     """Hot-expert shadowing counters of one optimizer step, summed over the MoE layers."""
     layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
     keys = ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received", "grad_bytes_sent",
@@ -223,7 +231,7 @@ def _shadow_step_counters(model) -> dict:
         "remote_rows_sent": sum(v["dispatch"]["remote_rows_sent"] for v in layers)}
 
 
-def _grad_diffs(model, ref_params: dict) -> list[float]:
+def _grad_diffs(model: torch.nn.Module, ref_params: dict) -> list[float]:
     """Per-tensor relative gradient differences vs the reference; under zero1 only the owned shards
     hold reduced gradients, so those slices are compared."""
     sharding = hep.state_of(model).reducer.sharding
