@@ -172,7 +172,7 @@ def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1,
 def shadow_refresh_costs(skew: bool) -> dict:
     """Collectives of ``routing_step`` with hot-expert shadowing on, after one training step (tiny GPT-OSS,
     world 4 at (1, 4)): with ``skew`` experts 0 and 2 draw nearly every token and get shadowed."""
-    from dist_cases import _global_inputs, _rank_slice, _skew_routers
+    from dist_cases.common import _global_inputs, _rank_slice, _skew_routers
     from tiny_models import build_tiny_model
 
     import hf_hybrid_ep as hep

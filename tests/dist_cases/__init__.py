@@ -1,0 +1,109 @@
+"""Functions that run on every rank of a :class:`worker_pool.WorkerPool` (one gloo process group).
+
+Each builds a tiny real transformers model identically on every rank, keeps an unsharded copy as
+the single-process reference (trained on the global batch), parallelizes the other copy and returns
+plain numbers for the test to assert on.
+
+This package is the registry tests use (``import dist_cases as cases``; ``pool.run(cases.train_parity, ...)``):
+it re-exports every case by name. ``WorkerPool.run`` sends each rank the case's defining module and
+name (``fn.__module__``, e.g. ``dist_cases.training``, and ``fn.__name__``), so a case must stay a
+module-level function of one of these modules:
+
+- :mod:`dist_cases.common`: tolerances, tiny model pairs, global batches and comparison helpers.
+- :mod:`dist_cases.training`: optimizer steps against the reference (:func:`train_parity` and others).
+- :mod:`dist_cases.inference`: forward passes and generation against the reference.
+- :mod:`dist_cases.dispatch`: the dispatcher choice and exchange paths that must agree.
+- :mod:`dist_cases.checkpoint`: saving, and rank-local loading from disk and the Hub.
+- :mod:`dist_cases.placement`: what each rank holds, placement tables, rebalancing, routing load.
+- :mod:`dist_cases.failures`: misbehaving ranks and impossible layouts, reported on every rank.
+- :mod:`dist_cases.integrations`: the stock Trainer and Accelerate loops.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import (
+    hub_rank_local_load,
+    load_with_a_missing_file,
+    rank_local_load,
+    save_generate_reload,
+    save_right_after_step,
+)
+from .common import ADAM_EPS, BATCH_PER_RANK, REL_TOL, SEQ, _rel
+from .dispatch import (
+    dispatcher_choice,
+    dispatcher_equivalence,
+    overlap_equivalence,
+    shared_overlap_equivalence,
+)
+from .failures import (
+    bad_layout_refused,
+    fp16_overflow_agreement,
+    modality_mismatch,
+    nan_in_router_input,
+    replica_check,
+)
+from .inference import forward_parity, generate_uneven
+from .integrations import (
+    accelerate_loop,
+    fsdp_under_accelerate,
+    trainer_eval,
+    trainer_run,
+    trainer_shadow_run,
+)
+from .placement import (
+    group_creation_calls,
+    mesh_layout,
+    parameter_bytes,
+    rebalance_then_save,
+    routing_metrics,
+    save_and_reload_placement,
+)
+from .training import ctr_parity, ddp_composition, inf_norm, one_hot_expert_training, train_parity
+
+__all__ = [
+    # constants and the comparison helper tests use directly
+    "ADAM_EPS",
+    "BATCH_PER_RANK",
+    "REL_TOL",
+    "SEQ",
+    "_rel",
+    # checkpoint
+    "hub_rank_local_load",
+    "load_with_a_missing_file",
+    "rank_local_load",
+    "save_generate_reload",
+    "save_right_after_step",
+    # dispatch
+    "dispatcher_choice",
+    "dispatcher_equivalence",
+    "overlap_equivalence",
+    "shared_overlap_equivalence",
+    # failures
+    "bad_layout_refused",
+    "fp16_overflow_agreement",
+    "modality_mismatch",
+    "nan_in_router_input",
+    "replica_check",
+    # inference
+    "forward_parity",
+    "generate_uneven",
+    # integrations
+    "accelerate_loop",
+    "fsdp_under_accelerate",
+    "trainer_eval",
+    "trainer_run",
+    "trainer_shadow_run",
+    # placement
+    "group_creation_calls",
+    "mesh_layout",
+    "parameter_bytes",
+    "rebalance_then_save",
+    "routing_metrics",
+    "save_and_reload_placement",
+    # training
+    "ctr_parity",
+    "ddp_composition",
+    "inf_norm",
+    "one_hot_expert_training",
+    "train_parity",
+]

@@ -1,0 +1,179 @@
+"""Checkpoint cases: saving hybrid models and loading checkpoints rank-locally.
+
+``save_pretrained`` after training, rank-local loading from disk (sabotaged to prove each rank reads
+only its own bytes) and from a Hub stub, a missing expert file, and a ZeRO-1 save right after
+``step()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hf_hybrid_ep as hep
+
+from .common import _build, _global_inputs, _local_view, _rank_slice, _rel
+
+
+def save_generate_reload(model_type: str, dp: int, ep: int, num_experts: int, directory: str) -> dict:
+    """After a training step: generate matches the reference, and save_pretrained writes a full vanilla
+    checkpoint whose logits match the trained hybrid model."""
+    from transformers import AutoModelForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    batch = _global_inputs(ref, world, seed=5)
+    for m, inputs in ((model, _rank_slice(batch, rank)), (ref, batch)):
+        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
+        m(**inputs).loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    model.eval()
+    ref.eval()
+    prompt = _rank_slice(batch, rank)["input_ids"][:, :4]
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    generated = model.generate(prompt, **kw)
+    want = ref.generate(prompt, **kw)
+    model.save_pretrained(directory)
+    reloaded = AutoModelForCausalLM.from_pretrained(directory)
+    reloaded.eval()
+    with torch.no_grad():
+        local = _rank_slice(batch, rank)
+        got = reloaded(input_ids=local["input_ids"]).logits
+        hybrid = model(input_ids=local["input_ids"]).logits
+    return {
+        "generate_equal": bool(torch.equal(generated, want)),
+        "reload_rel": _rel(got, hybrid),
+        "config_experts": model.config.num_local_experts if hasattr(model.config, "num_local_experts") else None,
+    }
+
+
+def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: bool = False) -> dict:
+    """Load with hf_hybrid_ep.from_pretrained and compare with a vanilla single-process load.
+
+    With ``sabotage``, the rank loads from its own copy of the checkpoint in which every expert file
+    holding none of its experts is deleted (per-expert storage) and every other rank's rows of fused
+    expert tensors are NaN (fused storage): a clean, correct model proves it read only its own bytes.
+    """
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid_ep.checkpoint import read_index
+    from hf_hybrid_ep.checkpoint.safetensors_io import read_header
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(ckpt)
+    deleted = poisoned = 0
+    if sabotage:
+        meta = read_index(root).hybrid_ep
+        per = meta.num_experts // ep
+        mine = set(range((rank % ep) * per, (rank % ep + 1) * per))
+        copy_dir = root.parent / f"{root.name}-rank{rank}"
+        shutil.copytree(root, copy_dir)
+        for name, info in meta.files.items():
+            if info.role == "experts" and not mine & set(meta.placement[info.ep_rank]):
+                (copy_dir / name).unlink()
+                deleted += 1
+            elif info.role == "fused":
+                tensors = load_file(copy_dir / name)
+                for value in tensors.values():
+                    others = [e for e in range(meta.num_experts) if e not in mine]
+                    value[others] = float("nan")
+                    poisoned += len(others)
+                save_file(tensors, copy_dir / name, metadata=read_header(copy_dir / name)[1])  # same save id
+        root = copy_dir
+    # the whole-file sha256 would (rightly) refuse the poisoned fused files: skip only the hash here
+    model = hep.from_pretrained(root, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep), verify=not poisoned)
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir)
+    ref.eval()
+    state = hep.state_of(model)
+    local = {id(p): layer.local_experts for layer in state.layers for p in layer.expert_parameters()}
+    ref_params = dict(ref.named_parameters())
+    mismatched = []
+    for name, p in model.named_parameters():
+        want = ref_params[name].detach()
+        want = want[local[id(p)]] if id(p) in local else want
+        if not torch.equal(p.detach(), want):
+            mismatched.append(name)
+    batch = _rank_slice(_global_inputs(ref, world, seed=21), rank)
+    with torch.no_grad():
+        got = model(input_ids=batch["input_ids"]).logits
+        want = ref(input_ids=batch["input_ids"]).logits
+    return {"mismatched": mismatched, "logits_rel": _rel(got, want), "finite": bool(torch.isfinite(got).all()),
+            "deleted": deleted, "poisoned": poisoned, "expert_bytes": sum(
+                p.numel() * p.element_size() for layer in state.layers for p in layer.expert_parameters())}
+
+
+def hub_rank_local_load(endpoint: str, repo_id: str, cache_base: str, reference_dir: str, dp: int, ep: int) -> dict:
+    """hf_hybrid_ep.from_pretrained on a Hub repo id: each rank fetches only the files it needs."""
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Point this worker's Hub client at the loopback stub (the env twins are read at import time).
+    constants.ENDPOINT = endpoint
+    constants.HUGGINGFACE_CO_URL_TEMPLATE = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    constants.HF_HUB_DISABLE_XET = True
+    constants.HF_HUB_CACHE = f"{cache_base}/rank{rank}"
+    model = hep.from_pretrained(repo_id, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir)
+    ref.eval()
+    batch = _rank_slice(_global_inputs(ref, world, seed=22), rank)
+    with torch.no_grad():
+        rel = _rel(model(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits)
+    return {"logits_rel": rel}
+
+
+def load_with_a_missing_file(ckpt: str, bad_rank: int) -> dict:
+    """One rank's copy lacks its expert file: that rank names the file, every other rank raises too."""
+    import shutil
+    from pathlib import Path
+
+    rank = dist.get_rank()
+    root = Path(ckpt)
+    mine = root.parent / f"{root.name}-missing-rank{rank}"
+    shutil.copytree(root, mine)
+    if rank == bad_rank:
+        (mine / f"model-experts-rank{rank:03d}-of-002.safetensors").unlink()
+    try:
+        hep.from_pretrained(mine, hep.HybridEPConfig(ep_degree=2))
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        message = f"{type(err).__name__}: {err}"
+    else:
+        message = ""
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    return {"message": message, "alive": flag.item() == dist.get_world_size()}
+
+
+def save_right_after_step(directory: str, dp: int, ep: int) -> dict:
+    """ZeRO-1 with overlapped parameter gathers: a save and a ``state_dict`` taken right after ``step()``
+    (gathers still pending, no forward in between) hold the updated parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding="zero1",
+                                              bucket_size_mb=0.01))
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    batch = _global_inputs(ref, world, seed=3)
+    model(**_rank_slice(batch, rank)).loss.backward()
+    ref(**batch).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    opt.step()
+    ref_opt.step()
+    pending = sum(b.gather_work is not None for b in hep.state_of(model).reducer.sharding.buckets)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # waits for the gathers
+    save_hybrid_checkpoint(model, directory)
+    reloaded = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    want = dict(ref.named_parameters())
+    saved_rel = max(_rel(reloaded[n], want[n].detach()) for n in want)
+    local = dict(model.named_parameters())
+    state_rel = max(_rel(state[n], _local_view(model, want[n].detach(), local[n])) for n in local)
+    return {"pending": pending, "saved_rel": saved_rel, "state_dict_rel": state_rel}

@@ -1,0 +1,137 @@
+"""Dispatch cases: which dispatcher a layer gets, and exchange paths that must agree with the plain one.
+
+The hierarchical dispatcher against the plain one (logits, gradients and cross-node traffic against
+``trace_traffic``), the dispatcher choice and its log lines, the chunked overlapped exchange and the
+shared-expert overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from tiny_models import build_tiny_model
+
+import hf_hybrid_ep as hep
+
+from .common import _build, _global_inputs, _rank_slice, _rel
+
+
+def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num_experts: int = 4, top_k: int = 2,
+                           placement: list[list[int]] | None = None, capacity_factor: float | None = None,
+                           overlap_degree: int = 1) -> dict:
+    """The hierarchical dispatcher against the plain one on the same model, batch and layout (logits and
+    gradients after one forward and backward), and its cross-node rows per direction against
+    ``trace_traffic`` for the routing this rank sent (exact without replicas)."""
+    from hf_hybrid_ep.placement import trace_traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = {}
+    for dispatcher in ("torch", "hierarchical"):
+        torch.manual_seed(0)
+        model = build_tiny_model(model_type, num_experts=num_experts, top_k=top_k)
+        model.train()
+        hep.parallelize(model, hep.HybridEPConfig(
+            dp_degree=dp, ep_degree=ep, topology=topology, dispatcher=dispatcher, placement=placement or "contiguous",
+            capacity_factor=capacity_factor, overlap_degree=overlap_degree))
+        traces: dict[str, list[torch.Tensor]] = {}
+        for layer in hep.state_of(model).layers:
+            def count(index: torch.Tensor, dropped: int = 0, _original: Callable[..., None] = layer.routing.count,
+                      _name: str = layer.name, _traces: dict[str, list[torch.Tensor]] = traces) -> None:
+                _traces.setdefault(_name, []).append(index.detach().reshape(-1, index.shape[-1]).clone())
+                _original(index, dropped)
+
+            layer.routing.count = count
+        out = model(**_rank_slice(_global_inputs(model, world, seed=4), rank))
+        out.loss.backward()
+        runs[dispatcher] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                            hep.comm_stats(model), traces, hep.state_of(model))
+    (logits_a, grads_a, _, _, _), (logits_b, grads_b, stats, traces, state) = runs["torch"], runs["hierarchical"]
+    layers = {layer.name: layer for layer in state.layers}
+    predicted = sum(trace_traffic([t.numpy() for t in traces[name]], layers[name].table, topology,
+                                  sources=[state.mesh.ep_rank] * len(traces[name]))["cross_node"] for name in traces)
+    phases = {p: sum(stats[name][p]["remote_rows_sent"] for name in layers)
+              for p in ("dispatch_inter", "combine_inter", "dispatch_inter_backward", "combine_inter_backward")}
+    plain_stats = runs["torch"][2]
+    per_node = state.mesh.layout.nodes_per_group if state.mesh.layout else 1
+    return {
+        "logits_rel": _rel(logits_b, logits_a), "grad_rel": max(_rel(grads_b[n], grads_a[n]) for n in grads_a),
+        "kinds": sorted({type(layer.dispatcher).__name__ for layer in state.layers}),
+        "predicted_cross_node_rows": predicted, "phase_rows": phases, "nodes": per_node,
+        "plain_remote_rows": sum(plain_stats[name]["dispatch"]["remote_rows_sent"] for name in layers),
+        "dropped": sum(int((t < 0).sum()) for ts in traces.values() for t in ts),
+    }
+
+
+def dispatcher_choice(dp: int, ep: int, dispatcher: str, topology: str | None = None,
+                      local_world_size: int | None = None) -> dict:
+    """The dispatcher class every layer got, and the ``hf_hybrid_ep`` log lines of ``parallelize``."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("hf_hybrid_ep")
+    saved_env, saved_level = os.environ.get("LOCAL_WORLD_SIZE"), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    try:
+        torch.manual_seed(0)
+        model = build_tiny_model("qwen3_moe", num_experts=4)
+        hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, dispatcher=dispatcher, topology=topology))
+        return {"kinds": sorted({type(layer.dispatcher).__name__ for layer in hep.state_of(model).layers}),
+                "log": [m for m in records if m.startswith("dispatcher")]}
+    except hep.HybridEPConfigError as err:
+        return {"error": str(err)}
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+        if saved_env is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = saved_env
+
+
+def overlap_equivalence(model_type: str, ep: int, degree: int) -> dict:
+    """The chunked, overlapped exchange gives the same logits and gradients as the plain path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for overlap in (1, degree):
+        model, ref = _build(model_type, 4)
+        hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep, overlap_degree=overlap))
+        batch = _rank_slice(_global_inputs(ref, world, seed=4), rank)
+        out = model(**batch)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (logits_a, grads_a), (logits_b, grads_b) = results
+    worst = max(_rel(grads_b[n], grads_a[n]) for n in grads_a)
+    return {"logits_rel": _rel(logits_b, logits_a), "grad_rel": worst}
+
+
+def shared_overlap_equivalence(model_type: str) -> dict:
+    """overlap_shared_expert reorders the shared expert into the return exchange: bit-identical results,
+    and the shared expert runs once per layer and forward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, calls = [], []
+    for overlap in (False, True):
+        model, ref = _build(model_type, 4)
+        hep.parallelize(model, hep.HybridEPConfig(ep_degree=world, overlap_shared_expert=overlap))
+        count = [0]
+        for layer in hep.state_of(model).layers:
+            block = model.get_submodule(layer.name.rpartition(".")[0])
+            shared = getattr(block, "shared_experts", None) or block.shared_expert
+            inner = shared.down_proj if hasattr(shared, "down_proj") else shared
+            inner.register_forward_hook(lambda *a, c=count: c.__setitem__(0, c[0] + 1))
+        for seed in (4, 5):  # the first forward observes the block's order, the second overlaps
+            model.zero_grad()
+            batch = _rank_slice(_global_inputs(ref, world, seed=seed), rank)
+            out = model(**batch)
+            out.loss.backward()
+        calls.append(count[0])
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (la, ga), (lb, gb) = results
+    state = hep.state_of(model)
+    return {"equal": bool(torch.equal(la, lb)) and all(torch.equal(ga[n], gb[n]) for n in ga),
+            "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}

@@ -1,0 +1,156 @@
+"""Integration cases: the stock Trainer and hand-written Accelerate loops on hybrid-EP models.
+
+Trainer training, resuming and evaluation, hot-expert shadowing (and rebalancing) through the
+Trainer's step-end callback, an Accelerate loop with save/load state, and FSDP refused under
+Accelerate's DDP. The Trainer's model, arguments and data come from :mod:`trainer_cases`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tiny_models import build_tiny_model
+
+import hf_hybrid_ep as hep
+
+from .common import ADAM_EPS, _build, _global_inputs, _rank_slice, _skew_routers
+
+
+def trainer_run(
+    dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
+    resume_from: str | None = None, verify_sync_steps: int = 0, optimizer_sharding: str = "none",
+    rebalance_every: int | None = None, rebalance_replicas: int = 0, **extra_args: Any,
+) -> dict:
+    """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
+    import trainer_cases as tc
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding,
+                                rebalance_every=rebalance_every, rebalance_replicas=rebalance_replicas)
+    model = hep.parallelize(tc.model(), config)
+    args = tc.arguments(output_dir, 2, max_steps, save_steps, **extra_args)
+    trainer = HybridEPTrainer(
+        model=model, args=args, train_dataset=tc.dataset(), verify_sync_steps=verify_sync_steps
+    )
+    output = trainer.train(resume_from_checkpoint=resume_from)
+    stats = hep.comm_stats(model)["gradient_reduction"]
+    wrapped = type(trainer.model_wrapped).__name__
+    return {"losses": tc.losses(trainer), "dense_bytes": stats["dense_bytes"], "wrapped": wrapped,
+            "memory": {k: v for k, v in output.metrics.items() if k.startswith("hybrid_ep_")},
+            "optimizer_class": type(trainer.optimizer.optimizer).__name__,
+            "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]}
+
+
+def trainer_eval(dp: int, ep: int, output_dir: str, num: int, hybrid: bool = True) -> dict:
+    """Evaluation on a set that does not split evenly over the ranks (every rank runs as many passes).
+
+    ``hybrid=False`` runs the plain Trainer (DDP) on the unsharded model, for comparison.
+    """
+    import trainer_cases as tc
+    from transformers import Trainer
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    args = tc.arguments(output_dir, 2, 1, per_device_eval_batch_size=2)
+    if hybrid:
+        model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+        trainer = HybridEPTrainer(model=model, args=args, eval_dataset=tc.dataset(num))
+    else:
+        trainer = Trainer(model=tc.model(), args=args, eval_dataset=tc.dataset(num))
+    return {"eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4, rebalance: bool = False,
+                       hot: tuple[int, int] = (0, 2)) -> dict:
+    """The stock Trainer on a skewed GPT-OSS (experts ``hot`` draw nearly every token), with hot-expert
+    shadowing off or on: the Trainer's step-end callback (routing_step) must refresh the shadows (and, with
+    ``rebalance``, move experts after every step, before the shadows are decided)."""
+    import trainer_cases as tc
+    from datasets import Dataset
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    torch.manual_seed(0)
+    model = build_tiny_model("gpt_oss", num_experts=4)
+    model.train()
+    _skew_routers(model, list(hot), 4.0)
+    world = dist.get_world_size()
+    config = hep.HybridEPConfig(dp_degree=1, ep_degree=world, expert_cache=expert_cache, expert_cache_capacity=1,
+                                rebalance_every=1 if rebalance else None)
+    hep.parallelize(model, config)
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, 100, (64, 32), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
+    trainer.train()
+    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    rebalancer = hep.state_of(model).rebalancer
+    return {"losses": tc.losses(trainer), "shadows_held": sum(v["shadow"]["shadows_held"] for v in layers),
+            "rows_local": sum(v["shadow"]["rows_local"] for v in layers),
+            "rebalances": [] if rebalancer is None else [e.step for e in rebalancer.events if e.bytes_sent]}
+
+
+def accelerate_loop(dp: int, ep: int, state_dir: str, steps: int, save_at: int | None = None,
+                    resume: bool = False, optimizer_sharding: str = "none") -> dict:
+    """A hand-written Accelerate loop (accumulate 2, clipping, a scheduler) with save_state/load_state."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import set_seed
+
+    from hf_hybrid_ep.integrations.accelerator import load_state, prepare_accelerator, save_state
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding))
+    prepare_accelerator(accelerator, model)
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    wrapped, opt, sched = accelerator.prepare(model, opt, sched)
+    start = 0
+    if resume:
+        load_state(accelerator, wrapped, opt, state_dir, schedulers=[sched])
+        start = save_at
+    set_seed(0)
+    losses = []
+    for step in range(start, steps):
+        for micro in range(2):
+            batch = _rank_slice(_global_inputs(ref, world, seed=100 * step + micro), rank)
+            with accelerator.accumulate(wrapped):
+                loss = wrapped(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    hep.clip_grad_norm_(model, 0.5)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        if save_at is not None and not resume and step + 1 == save_at:
+            save_state(accelerator, wrapped, opt, state_dir, schedulers=[sched])
+    return {"losses": losses, "dense_bytes": hep.comm_stats(model)["gradient_reduction"]["dense_bytes"]}
+
+
+def fsdp_under_accelerate() -> dict:
+    """Accelerate wraps a multi-process model in DDP, which cannot hold FSDP2-sharded weights: refused."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_hybrid_ep.integrations.accelerator import prepare_accelerator
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dense_sharding="fsdp"))
+    try:
+        prepare_accelerator(accelerator, model)
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err)}
+    return {"message": ""}

@@ -1,0 +1,337 @@
+"""Training cases: optimizer steps of the hybrid model against the single-process reference.
+
+:func:`train_parity` is the main parity case (accumulation, clipping, AdamW, with every engine option:
+placement, dispatcher, sharding, shadowing, rebalancing, loading, injected faults); the others cover
+one-expert routing, composition with torch DDP, inf-norm clipping and the CTR example's own check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterable
+
+import parity
+import torch
+import torch.distributed as dist
+from tiny_models import build_tiny_model
+
+import hf_hybrid_ep as hep
+
+from .common import (
+    ADAM_EPS,
+    SEQ,
+    _build,
+    _compare_params,
+    _full,
+    _global_inputs,
+    _local_view,
+    _rank_slice,
+    _rel,
+    _skew_routers,
+    _tables,
+)
+
+
+def train_parity(
+    model_type: str,
+    dp: int,
+    ep: int,
+    num_experts: int,
+    steps: int = 3,
+    accum: int = 2,
+    max_norm: float = 0.5,
+    placement: list[list[int]] | dict[str, list[list[int]]] | None = None,
+    lr: float = 1e-3,
+    gradient_checkpointing: bool = False,
+    dispatcher: str = "auto",
+    expert_alignment: int = 1,
+    optimizer_sharding: str = "none",
+    dense_sharding: str = "replicate",
+    expert_cache_capacity: int | None = None,
+    skew: tuple[list[int], float] | None = None,
+    seq: int = SEQ,
+    load_from: str | None = None,
+    fault: str | None = None,
+    bucket_size_mb: float = 8.0,
+    overlap_grad_reduce: bool = True,
+    rebalance_every: int | None = None,
+    rebalance_replicas: int = 0,
+    rebalance_over: float | None = None,
+    topology: str | None = None,
+    overlap_degree: int = 1,
+) -> dict:
+    """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
+
+    The reference trains the unsharded model on the global batch in fp32; the checks and the measured
+    bound of zero-initialised tensors are :mod:`parity`'s. ``expert_cache_capacity`` turns hot-expert
+    shadowing on (``routing_step`` after every optimizer step); ``skew = (hot experts, bias)`` raises
+    those experts' router bias in both models. With ``load_from``, the hybrid model is loaded
+    rank-locally from that checkpoint of the same weights (``hf_hybrid_ep.from_pretrained``; its
+    placement is the one stored in the index). ``fault`` injects one of :data:`faults.FAULTS` into the
+    hybrid run (undone when the case returns), to show that the criterion catches it. With
+    ``rebalance_every``, experts move online (``routing_step`` after every optimizer step); the tables
+    before and after each rebalance are returned.
+    """
+    import faults
+
+    world = dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    if skew is not None:
+        _skew_routers(model, *skew)
+        _skew_routers(ref, *skew)
+    initial = copy.deepcopy(ref)
+    measured_names = parity.zero_initialised(initial)
+    if dispatcher == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
+                                expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
+                                expert_cache_capacity=expert_cache_capacity or 1, optimizer_sharding=optimizer_sharding,
+                                dense_sharding=dense_sharding, bucket_size_mb=bucket_size_mb,
+                                overlap_grad_reduce=overlap_grad_reduce, rebalance_every=rebalance_every,
+                                rebalance_replicas=rebalance_replicas, rebalance_when_imbalance_over=rebalance_over,
+                                topology=topology, overlap_degree=overlap_degree)
+    model = _hybrid_model(model, ref, config, load_from)
+    if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
+        model.activation_checkpointing_enable()
+    opt, ref_opt, ref_optimizer = _optimizers(model, ref, lr)
+    batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
+               for step in range(steps)]
+    shadowing = expert_cache_capacity is not None
+    routing = shadowing or rebalance_every is not None or rebalance_over is not None
+    with faults.injected(fault, model):
+        run = _train_steps(model, ref, (opt, ref_opt), batches, accum, max_norm, shadowing, routing)
+    params = dict(model.named_parameters())
+    view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
+    spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
+                                                     view)
+    return _parity_report(model, ref, run, max_norm, measured_names, spread_of, step_budget=2 * steps * lr)
+
+
+def _hybrid_model(model: torch.nn.Module, ref: torch.nn.Module, config: hep.HybridEPConfig,
+                  load_from: str | None) -> torch.nn.Module:
+    """``model`` parallelized with ``config`` or, with ``load_from``, the same weights loaded rank-locally from
+    that checkpoint (in the reference's attention implementation, in training mode)."""
+    if load_from is not None:
+        model = hep.from_pretrained(load_from, config)
+        model.set_attn_implementation(ref.config._attn_implementation)
+        model.train()
+    else:
+        hep.parallelize(model, config)
+    return model
+
+
+def _optimizers(model: torch.nn.Module, ref: torch.nn.Module, lr: float) -> tuple[
+        torch.optim.Optimizer, torch.optim.Optimizer, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]:
+    """AdamW for the hybrid model and for the reference, and the reference's factory (for the measured spread)."""
+    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
+    implementation = {k: v for k, v in opt.defaults.items() if k in ("fused", "foreach") and v}
+
+    # the hybrid run's implementation (fused AdamW here), so only the engine differs
+    def ref_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS, **implementation)
+
+    return opt, ref_optimizer(ref.parameters()), ref_optimizer
+
+
+@dataclasses.dataclass
+class _TrainingRun:
+    """What :func:`_train_steps` measured: per micro-batch, per step, and at step 0."""
+
+    loss_diffs: list[float] = dataclasses.field(default_factory=list)
+    norm_diffs: list[float] = dataclasses.field(default_factory=list)
+    norms: list[float] = dataclasses.field(default_factory=list)
+    grad_diffs: list[float] = dataclasses.field(default_factory=list)
+    frozen_with_grad: list[str] = dataclasses.field(default_factory=list)
+    shadow_steps: list[dict] = dataclasses.field(default_factory=list)
+    tables: list[dict[str, list[list[int]]]] = dataclasses.field(default_factory=list)
+
+
+def _train_steps(model: torch.nn.Module, ref: torch.nn.Module,
+                 optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer], batches: list[list[dict]],
+                 accum: int, max_norm: float, shadowing: bool, routing: bool) -> _TrainingRun:
+    """One optimizer step of both models per entry of ``batches`` (accumulated, clipped); with ``shadowing``
+    the step's shadow counters, with ``routing`` the tables before each ``routing_step``."""
+    ref_grads = dict(ref.named_parameters())
+    run = _TrainingRun()
+    for step in range(len(batches)):
+        run.loss_diffs += _accumulate(model, ref, batches[step], accum)
+        if step == 0:
+            run.grad_diffs = _grad_diffs(model, ref_grads)
+            run.frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        norm = hep.clip_grad_norm_(model, max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        run.norms.append(ref_norm.item())
+        run.norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+        if shadowing:
+            run.shadow_steps.append(_shadow_step_counters(model))
+            hep.reset_comm_stats(model)
+        if routing:
+            run.tables.append(_tables(model))
+            hep.routing_step(model)
+    return run
+
+
+def _accumulate(model: torch.nn.Module, ref: torch.nn.Module, micro_batches: list[dict], accum: int) -> list[float]:
+    """Forward and backward of one step's micro-batches (the hybrid model on this rank's slice, gradients
+    synchronised on the last; the reference on the global batch); each mean loss's relative difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_diffs = []
+    for micro, batch in enumerate(micro_batches):
+        sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
+        with sync:
+            loss = model(**_rank_slice(batch, rank)).loss
+            (loss / accum).backward()
+        ref_loss = ref(**batch).loss
+        (ref_loss / accum).backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        loss_diffs.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    return loss_diffs
+
+
+def _parity_report(model: torch.nn.Module, ref: torch.nn.Module, run: _TrainingRun, max_norm: float,
+                   measured_names: set[str], spread_of: Callable[[list[str]], dict[str, float]],
+                   step_budget: float) -> dict:
+    """The result of :func:`train_parity`: tables, rebalances, buckets, the measured differences and
+    :mod:`parity`'s check of the final parameters."""
+    reducer = hep.state_of(model).reducer
+    rebalancer = hep.state_of(model).rebalancer
+    return {
+        "tables": [*run.tables, _tables(model)],  # before each routing_step, and at the end
+        "rebalances": [] if rebalancer is None else [(e.step, e.bytes_sent) for e in rebalancer.events],
+        "shadow_steps": run.shadow_steps,
+        "buckets": [(b.kind, b.size, b.numel) for b in reducer.active_buckets()],
+        "launched_in_backward": reducer.stats.buckets_launched_in_backward,
+        "max_loss_rel": max(run.loss_diffs),
+        "max_norm_rel": max(run.norm_diffs),
+        "max_grad_rel_step0": max(run.grad_diffs),
+        "clipped": any(n > max_norm for n in run.norms),
+        "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
+        "frozen_with_grad": run.frozen_with_grad,
+        "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
+        "placements": {layer.name: [list(row) for row in layer.table.rows] for layer in hep.state_of(model).layers},
+        "zero_initialised": sorted(measured_names),
+        **_compare_params(model, ref, measured_names, spread_of, step_budget=step_budget),
+    }
+
+
+def _shadow_step_counters(model: torch.nn.Module) -> dict:
+    """Hot-expert shadowing counters of one optimizer step, summed over the MoE layers."""
+    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    keys = ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received", "grad_bytes_sent",
+            "token_bytes_avoided")
+    return {key: sum(v["shadow"][key] for v in layers) for key in keys} | {
+        "remote_rows_sent": sum(v["dispatch"]["remote_rows_sent"] for v in layers)}
+
+
+def _grad_diffs(model: torch.nn.Module, ref_params: dict) -> list[float]:
+    """Per-tensor relative gradient differences vs the reference; under zero1 only the owned shards
+    hold reduced gradients, so those slices are compared."""
+    sharding = hep.state_of(model).reducer.sharding
+    names = {id(p): n for n, p in model.named_parameters()}
+    diffs = []
+    if sharding is not None:  # per whole tensor: ‖a − b‖² and ‖b‖² summed over the owners of its pieces
+        sharding.attach_grads()
+        order = [n for n, p in model.named_parameters() if id(p) in sharding.sharded_params]
+        sums = torch.zeros(len(order), 2, dtype=torch.float64)
+        for o in sharding.owned():
+            n = names[id(o.param)]
+            want = _local_view(model, ref_params[n].grad, o.param).reshape(-1)[o.start : o.stop].double()
+            sums[order.index(n)] += torch.stack([(o.view.grad.double() - want).pow(2).sum(), want.pow(2).sum()])
+        dist.all_reduce(sums)
+        diffs += [(num / den).sqrt().item() if den > 0 else num.sqrt().item() for num, den in sums]
+    for n, p in model.named_parameters():
+        if p.requires_grad and (sharding is None or id(p) not in sharding.sharded_params):
+            diffs.append(_rel(_full(p.grad), _local_view(model, ref_params[n].grad, p)))
+    return diffs
+
+
+def one_hot_expert_training(model_type: str, ep: int, num_experts: int) -> dict:
+    """top-1 routing with a zeroed router: every token goes to one expert, the other ranks receive nothing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_tiny_model(model_type, num_experts=num_experts, top_k=1)
+    for name, p in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")):
+            p.data.zero_()
+    model.train()
+    ref = copy.deepcopy(model)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=ADAM_EPS)
+    received, none_grads, zero_slots = 0, 0, 0
+    for step in range(2):
+        batch = _global_inputs(ref, world, seed=step)
+        model(**_rank_slice(batch, rank)).loss.backward()
+        ref(**batch).loss.backward()
+        state = hep.state_of(model)
+        received += sum(layer.stats.phases["dispatch"].rows_received for layer in state.layers)
+        for layer in state.layers:
+            for p in layer.expert_parameters():
+                none_grads += p.grad is None
+                if p.grad is not None:
+                    zero_slots += int((p.grad.reshape(p.shape[0], -1).abs().sum(1) == 0).sum())
+        hep.clip_grad_norm_(model, 1.0)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        hep.reset_comm_stats(model)
+    return {"rows_received": received, "none_grads": none_grads, "zero_slots": zero_slots,
+            **_compare_params(model, ref)}
+
+
+def ddp_composition(model_type: str, dp: int, ep: int, num_experts: int) -> dict:
+    """torch DDP reduces the dense weights (experts on its ignore list), the engine only the experts."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, reduce_dense_gradients=False))
+    DDP._set_params_and_buffers_to_ignore_for_model(model, hep.state_of(model).expert_parameter_names(model))
+    wrapped = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=ADAM_EPS)
+    for step in range(2):
+        batch = _global_inputs(ref, world, seed=step)
+        wrapped(**_rank_slice(batch, rank)).loss.backward()
+        ref(**batch).loss.backward()
+        hep.clip_grad_norm_(model, 0.5)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    stats = hep.comm_stats(model)["gradient_reduction"]
+    return {**_compare_params(model, ref), "dense_bytes": stats["dense_bytes"]}
+
+
+def inf_norm(model_type: str, ep: int, num_experts: int) -> dict:
+    """clip_grad_norm_ with norm_type=inf equals torch's on the unsharded model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
+    batch = _global_inputs(ref, world, seed=11)
+    model(**_rank_slice(batch, rank)).loss.backward()
+    ref(**batch).loss.backward()
+    got = hep.clip_grad_norm_(model, 1e-3, norm_type=math.inf)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=math.inf)
+    return {"rel": abs(got.item() - want.item()) / want.item()}
+
+
+def ctr_parity(dp: int, ep: int) -> dict:
+    """One Adam step of the CTR example's MoE model on hybrid EP vs one process (the example's own check)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "recsys_ctr"))
+    from step_parity import one_step_parity
+
+    return one_step_parity(dp, ep)
