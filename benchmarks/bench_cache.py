@@ -30,9 +30,9 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.cache import POLICIES, replay
-from hf_hybrid_ep.experts import find_experts_modules
-from hf_hybrid_ep.routing import find_router
+from hf_hybrid_ep.inference.offload import POLICIES, replay
+from hf_hybrid_ep.moe.discovery import find_experts_modules
+from hf_hybrid_ep.moe.routing import find_router
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "scripts" / "demo_assets"
 

@@ -66,7 +66,7 @@ def fit_coactivation(traces: list[dict[str, np.ndarray]], num_experts: int) -> d
     """Per layer, the co-activation placement fitted on the second half of every rank's routing, and the
     node-deduplicated cross-node rows ``trace_traffic`` predicts there for it and for contiguous."""
     from hf_hybrid_ep.dispatch import PlacementTable
-    from hf_hybrid_ep.placement import RoutingStats, fit_placement, trace_traffic
+    from hf_hybrid_ep.planning.placement import RoutingStats, fit_placement, trace_traffic
 
     contiguous = PlacementTable.contiguous(num_experts, WORLD)
     placement, predicted = {}, {"contiguous": 0.0, "coactivation": 0.0}

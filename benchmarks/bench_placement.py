@@ -6,7 +6,7 @@ Two sources of routing:
   (``HF_HYBRID_EP_COACTIVATION_STATS=true``). Placements are fitted on its ``expert_load.jsonl``
   (loads and co-activation counts recorded during training, from ``--fit-from-step`` on) and
   evaluated on top-k traces recorded from its final checkpoint (the trained router) over the demo
-  corpus: traffic is computed exactly from the traces (:func:`hf_hybrid_ep.placement.trace_traffic`).
+  corpus: traffic is computed exactly from the traces (:func:`hf_hybrid_ep.planning.placement.trace_traffic`).
 * **synthetic** (a sanity check): tokens choose their k experts inside planted groups of experts; fitted
   on one sample, evaluated on another.
 
@@ -36,7 +36,8 @@ import torch
 
 from hf_hybrid_ep.dispatch import PlacementTable
 from hf_hybrid_ep.metrics import read_jsonl
-from hf_hybrid_ep.placement import (
+from hf_hybrid_ep.parallel.topology import Topology
+from hf_hybrid_ep.planning.placement import (
     RoutingStats,
     coactivation_placement,
     eplb_placement,
@@ -45,7 +46,6 @@ from hf_hybrid_ep.placement import (
     rank_loads,
     trace_traffic,
 )
-from hf_hybrid_ep.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 

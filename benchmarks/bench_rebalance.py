@@ -14,9 +14,9 @@
 2. **Replay at simulated EP 8** over ``racks=2,nodes_per_rack=2,gpus_per_node=2`` with r = 8 replicas
    (the online run's traces): per step and layer, the rank imbalance (expected tokens per rank, an
    expert's tokens split over its replicas) and the node-deduplicated cross-node sends per token
-   (:func:`hf_hybrid_ep.placement.trace_traffic`), for contiguous / one static table / a static table
+   (:func:`hf_hybrid_ep.planning.placement.trace_traffic`), for contiguous / one static table / a static table
    per layer (both fitted on the first half of the run) / online (re-fitted every ``--every`` steps on
-   the steps since the last rebalance, by the library's own :func:`hf_hybrid_ep.rebalance.refit`), and
+   the steps since the last rebalance, by the library's own :func:`hf_hybrid_ep.moe.rebalance.refit`), and
    an in-sample floor (a balance-only table fitted on each step's own loads: what no placement decided
    before the step can beat; it measures the sampling noise of one step's tokens). Figures are over
    the second half of the run.
@@ -147,7 +147,7 @@ def _load_traces(path: Path) -> dict[str, list[np.ndarray]]:
 
 
 def _stats(indices: list[np.ndarray], num_experts: int, balance_only: bool = False):
-    from hf_hybrid_ep.placement import RoutingStats
+    from hf_hybrid_ep.planning.placement import RoutingStats
 
     stats = RoutingStats.from_indices(indices, num_experts)
     if balance_only:  # what the library fits without co-activation statistics
@@ -157,7 +157,7 @@ def _stats(indices: list[np.ndarray], num_experts: int, balance_only: bool = Fal
 
 def _per_step(traces: dict[str, list[np.ndarray]], tables_at, num_experts: int, topology: str) -> dict:
     """Per step: the worst layer's rank imbalance and cross-node dedup sends per token (summed over layers)."""
-    from hf_hybrid_ep.placement import imbalance, rank_loads, trace_traffic
+    from hf_hybrid_ep.planning.placement import imbalance, rank_loads, trace_traffic
 
     steps = len(next(iter(traces.values())))
     worst, cross = [], []
@@ -178,8 +178,8 @@ def _per_step(traces: dict[str, list[np.ndarray]], tables_at, num_experts: int, 
 def replay(traces: dict[str, list[np.ndarray]], num_experts: int, top_k: int, every: int, ep: int,
            topology: str, replicas: int, tolerance: float = 0.05, balance_only: bool = False) -> dict[str, dict]:
     from hf_hybrid_ep.dispatch import PlacementTable
-    from hf_hybrid_ep.placement import fit_placement, hierarchical_placement
-    from hf_hybrid_ep.rebalance import refit
+    from hf_hybrid_ep.moe.rebalance import refit
+    from hf_hybrid_ep.planning.placement import fit_placement, hierarchical_placement
 
     names = list(traces)
     steps = len(traces[names[0]])

@@ -447,7 +447,7 @@ def close_process_group() -> None:
 
 def active_parameters(model) -> int:
     """Parameters one token's forward multiplies by: all but the input embedding, experts scaled by k / E."""
-    from hf_hybrid_ep.experts import find_experts_modules
+    from hf_hybrid_ep.moe.discovery import find_experts_modules
 
     experts = find_experts_modules(model)
     expert_ids = {id(p) for _, m in experts for p in m.parameters(recurse=False)}

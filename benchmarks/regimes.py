@@ -11,7 +11,7 @@ Two dimensionless ratios decide whether hybrid EP (dp 2 × ep 2 on two nodes of 
 
 Each regime scales a tiny Qwen3-MoE so that ``T / T*`` matches a reference run (the shapes give it
 exactly), and the emulated link's rate is chosen from a calibration run on the flat fabric so that
-``r_x`` matches too (``link_gbit_for``). Reference values come from :mod:`hf_hybrid_ep.step_time` at 40%
+``r_x`` matches too (``link_gbit_for``). Reference values come from :mod:`hf_hybrid_ep.planning.step_time` at 40%
 MFU on H100s (``tests/test_step_time.py`` checks them by hand): Qwen3-30B-A3B on 2 × 8 GPUs, dp2×ep8 vs
 ep16, 2²² tokens per step: ``T/T* = 113.8``, ``r_x = 0.89``; Mixtral-8x7B on 2 × 4 GPUs, dp2×ep4 vs ep8:
 ``T/T* = 24.4``, ``r_x = 0.100``. The toy regime is this repository's earlier benchmark as it was.
@@ -99,7 +99,7 @@ def t_over_t_star(regime: Regime) -> dict[str, float]:
 def memory_budget(counts, regime: Regime) -> dict[str, int]:
     """The per-rank memory budget, fixed before any run: ``1.5 ×`` the planner's per-rank memory of the hybrid
     dp2×ep2 layout (fp32 AdamW state + fp32 activations of one micro-batch) ``+ 128 MiB`` for the runtime."""
-    from hf_hybrid_ep.planner import _activations, rank_state_bytes
+    from hf_hybrid_ep.planning.planner import _activations, rank_state_bytes
 
     state = rank_state_bytes(counts, 2, 2, 0, "fp32-adamw")
     state_bytes = state["weight_bytes"] + state["grad_bytes"] + state["optimizer_bytes"]
@@ -115,8 +115,8 @@ def link_gbit_for(target_r_x: float, cross_bytes_per_rank: float, ranks_per_node
 
 
 def flops_per_token(counts, seq_len: int) -> float:
-    """The step-time model's forward + backward FLOPs per token (``hf_hybrid_ep.step_time``)."""
-    from hf_hybrid_ep.step_time import predict_step_time
+    """The step-time model's forward + backward FLOPs per token (``hf_hybrid_ep.planning.step_time``)."""
+    from hf_hybrid_ep.planning.step_time import predict_step_time
 
     st = predict_step_time(counts, 1, 1, "gpus_per_node=1", tokens_per_step=seq_len, micro_batch=1, seq_len=seq_len,
                            recipe="fp32-adamw")
@@ -152,7 +152,7 @@ def calibrate(run: dict, counts, regime: Regime) -> dict[str, float]:
 
 def predict(run: dict, counts, regime: Regime, calibration: dict, fabric: dict, memory_gbps: float):
     """The step-time model's prediction for one run of this library or DDP (transformers' native EP: ``None``)."""
-    from hf_hybrid_ep.step_time import predict_step_time
+    from hf_hybrid_ep.planning.step_time import predict_step_time
 
     if run["engine"] == "hf-native":
         return None
@@ -197,7 +197,7 @@ def validate(runs: list[dict], predictions: dict[str, Any]) -> dict[str, Any]:
 def evaluate(report: dict[str, Any]) -> dict[str, Any]:
     """Calibration, achieved ratios, a prediction per run and the validation, from a regime report alone
     (so a committed JSON can be checked again by the current model)."""
-    from hf_hybrid_ep.planner import count_parameters
+    from hf_hybrid_ep.planning.planner import count_parameters
 
     regime = REGIMES[report["regime"]["name"]]
     counts = count_parameters(qwen3_moe_config(regime.model))

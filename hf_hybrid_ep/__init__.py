@@ -1,7 +1,7 @@
 """hf_hybrid_ep: hybrid expert parallelism for Hugging Face MoE models.
 
 Dense weights are replicated and trained data-parallel on every rank; routed experts are sharded over
-expert-parallel groups and reached by all-to-all. See README.md and DESIGN.md.
+expert-parallel groups and reached by all-to-all. See README.md and docs/architecture.md.
 """
 
 from . import _compat
@@ -36,7 +36,7 @@ from .parallelize import (
 )
 from .state import state_of
 
-_compat.install()  # the import paths of 0.1 (hf_hybrid_ep.placement, ...) keep working
+_compat.install()  # the import paths of 0.1 (hf_hybrid_ep.planning.placement, ...) keep working
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 
 __version__ = "0.1.0"

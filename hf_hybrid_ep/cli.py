@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     from .planning.step_time import __doc__ as step_model
 
     p = sub.add_parser("plan", help="memory, communication and predicted step time of every dp × ep layout",
-                       description=f"{memory_model}\nStep time (hf_hybrid_ep/step_time.py):\n\n{step_model}",
+                       description=f"{memory_model}\nStep time (hf_hybrid_ep/planning/step_time.py):\n\n{step_model}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="config.json, a checkpoint directory, a Hub repo id (well-known "
                    "MoE models are shipped: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, "

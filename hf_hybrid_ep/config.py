@@ -149,7 +149,7 @@ class HybridEPConfig:
             ``"fsdp"``: dense weights FSDP2-sharded over the world (``fully_shard`` per decoder layer and
             the root), experts left to the engine.
 
-    Hot-expert shadowing (off by default; see ``hf_hybrid_ep/shadow.py`` and docs/expert_cache.md):
+    Hot-expert shadowing (off by default; see ``hf_hybrid_ep/moe/shadow.py`` and docs/expert_cache.md):
 
         expert_cache: after every optimizer step (``routing_step``), each rank holds local replicas
             ("shadows") of the remote experts its own tokens used most in the previous step, when the
@@ -160,7 +160,7 @@ class HybridEPConfig:
 
     Topology and placement statistics:
 
-        topology: the cluster as a spec string (:mod:`hf_hybrid_ep.topology`), e.g.
+        topology: the cluster as a spec string (:mod:`hf_hybrid_ep.parallel.topology`), e.g.
             ``"racks=2,nodes_per_rack=2,gpus_per_node=8"``. EP groups are then checked to lie inside a
             node (or to span whole nodes when ``ep_degree > gpus_per_node``), and the default
             ``ep_degree`` fits in one of its nodes. ``None``: ``LOCAL_WORLD_SIZE`` GPUs per node.
@@ -168,7 +168,7 @@ class HybridEPConfig:
             ``E × E`` counter, all-reduced with the loads once per optimizer step and written to
             ``expert_load.jsonl`` as ``coactivation``) for co-activation-aware placement.
 
-    Online rebalancing (off by default; :mod:`hf_hybrid_ep.rebalance`, docs/placement.md): after an
+    Online rebalancing (off by default; :mod:`hf_hybrid_ep.moe.rebalance`, docs/placement.md): after an
     optimizer step (``routing_step``) experts move between EP ranks, with their optimizer state, to
     per-layer tables fitted to the loads since the last rebalance; training stays faithful.
 

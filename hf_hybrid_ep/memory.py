@@ -1,6 +1,6 @@
 """Per-rank bytes of weights, gradients and optimizer state of a hybrid-EP model (measured).
 
-The same quantities :func:`hf_hybrid_ep.planner.rank_state_bytes` predicts; docs/memory.md states the
+The same quantities :func:`hf_hybrid_ep.planning.planner.rank_state_bytes` predicts; docs/memory.md states the
 formula. Only tensors this rank holds count: local shards of FSDP2 ``DTensor`` parameters, this rank's
 experts, the optimizer state of its ZeRO-1 shard. Not counted: activations, communication buffers
 (the gradient buckets' buffers hold the gradients themselves; ZeRO-1 adds one shard of each bucket in

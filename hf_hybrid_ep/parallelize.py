@@ -206,7 +206,7 @@ def _before_forward(model: nn.Module, args) -> None:
 
 def _after_forward(model: nn.Module, args, output) -> None:
     """Under ``no_grad`` (evaluation, ``generate``) no backward follows: the ranks agree on the forward's
-    inputs here (:mod:`hf_hybrid_ep.agreement`). A world of one has nobody to agree with: at once."""
+    inputs here (:mod:`hf_hybrid_ep.parallel.agreement`). A world of one has nobody to agree with: at once."""
     state = state_of(model)
     if not torch.is_grad_enabled() or state.mesh.world_group is None:
         state.agreement.agree_now()

@@ -19,8 +19,8 @@ from checkpoint_fixtures import save_source
 
 from hf_hybrid_ep import HybridEPConfig, HybridEPConfigError, PlacementTable
 from hf_hybrid_ep.cli import main as cli
-from hf_hybrid_ep.placement import RoutingStats, read_placement_file
-from hf_hybrid_ep.planner import load_config
+from hf_hybrid_ep.planning.placement import RoutingStats, read_placement_file
+from hf_hybrid_ep.planning.planner import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
@@ -296,7 +296,7 @@ def test_trust_remote_code_flag_reaches_the_library(command: str, flag: bool, tm
         seen["trust_remote_code"] = trust_remote_code
         raise HybridEPConfigError("recorded")
 
-    target = "hf_hybrid_ep.planner.plan" if command == "plan" else "hf_hybrid_ep.cli.convert_checkpoint"
+    target = "hf_hybrid_ep.planning.planner.plan" if command == "plan" else "hf_hybrid_ep.cli.convert_checkpoint"
     monkeypatch.setattr(target, record)
     argv = {"convert": ["convert", "SRC", str(tmp_path / "out")], "reshard": ["reshard", "CKPT", str(tmp_path / "out")],
             "plan": ["plan", "--model", "M", "--gpus", "2", "--gpu-memory-gb", "1"]}[command]

@@ -9,7 +9,7 @@ import torch
 from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.cache import ExpertCache, replay
+from hf_hybrid_ep.inference.offload import ExpertCache, replay
 
 
 def _evictions(policy: str, trace, capacity: int = 2, **kw) -> list[int]:

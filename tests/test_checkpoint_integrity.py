@@ -19,12 +19,12 @@ import torch
 from checkpoint_fixtures import save_source
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.cache import load_offloaded
 from hf_hybrid_ep.checkpoint import CheckpointError
 from hf_hybrid_ep.checkpoint.atomic import open_checkpoint
 from hf_hybrid_ep.checkpoint.inspect import format_summary, inspect_checkpoint
 from hf_hybrid_ep.checkpoint.manifest import MANIFEST_KEY, SAVE_ID_KEY
 from hf_hybrid_ep.checkpoint.safetensors_io import read_header
+from hf_hybrid_ep.inference.offload import load_offloaded
 from hf_hybrid_ep.integrations import save_hybrid_checkpoint
 
 INDEX = "model.safetensors.index.json"

@@ -10,7 +10,8 @@ import pytest
 from hf_hybrid_ep import HybridEPConfigError
 from hf_hybrid_ep.cli import main as cli
 from hf_hybrid_ep.dispatch import PlacementTable
-from hf_hybrid_ep.placement import (
+from hf_hybrid_ep.parallel.topology import Topology, ep_group_layout
+from hf_hybrid_ep.planning.placement import (
     RoutingStats,
     balanced_placement,
     coactivation_placement,
@@ -21,7 +22,6 @@ from hf_hybrid_ep.placement import (
     rank_loads,
     trace_traffic,
 )
-from hf_hybrid_ep.topology import Topology, ep_group_layout
 
 
 def test_rank_loads_split_replicated_experts_evenly():

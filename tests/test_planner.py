@@ -8,7 +8,7 @@ import pytest
 from transformers import MixtralConfig
 
 from hf_hybrid_ep.cli import main as cli
-from hf_hybrid_ep.planner import Topology, count_parameters, plan
+from hf_hybrid_ep.planning.planner import Topology, count_parameters, plan
 
 TINY = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -69,7 +69,7 @@ def test_topology_spec():
 def test_sharded_bytes_follow_the_formula():
     import math
 
-    from hf_hybrid_ep.planner import rank_state_bytes
+    from hf_hybrid_ep.planning.planner import rank_state_bytes
 
     m = count_parameters(TINY)
     dense, experts = m.dense_params, m.expert_params // 2  # dp 2 × ep 2 on 4 ranks

@@ -9,7 +9,7 @@ import pytest
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint.load import checkpoint_placement
 from hf_hybrid_ep.dispatch import PlacementTable
-from hf_hybrid_ep.placement import align_rows
+from hf_hybrid_ep.planning.placement import align_rows
 
 LAYOUTS = [(2, 2), (1, 4)]
 FAMILIES = ["mixtral", "gpt_oss", "deepseek_v3"]  # per-expert keys; fused, biased and transposed; sigmoid, shared
@@ -151,7 +151,7 @@ def test_device_load_accounting_follows_the_new_owners():
     holders, and the device factors from it (so device-load-aware selection penalises the right ranks)."""
     import torch
 
-    from hf_hybrid_ep.routing import LayerRouting
+    from hf_hybrid_ep.moe.routing import LayerRouting
 
     routing = LayerRouting(4, torch.tensor([0, 0, 1, 1]), 2)
     routing.rank_load = torch.tensor([0.5, 0.5], dtype=torch.float64)

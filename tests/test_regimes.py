@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import regimes as rg  # noqa: E402
 
-from hf_hybrid_ep.planner import count_parameters  # noqa: E402
-from hf_hybrid_ep.step_time import compare  # noqa: E402
+from hf_hybrid_ep.planning.planner import count_parameters  # noqa: E402
+from hf_hybrid_ep.planning.step_time import compare  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

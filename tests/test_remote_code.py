@@ -21,7 +21,7 @@ from checkpoint_fixtures import save_source
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError
-from hf_hybrid_ep.planner import plan
+from hf_hybrid_ep.planning.planner import plan
 
 MARKER_ENV = "HEP_EVIL_MARKER"
 AUTO_MAP = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}

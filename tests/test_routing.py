@@ -11,7 +11,7 @@ from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.metrics import load_report
-from hf_hybrid_ep.routing import apply_capacity, find_router, match_rule
+from hf_hybrid_ep.moe.routing import apply_capacity, find_router, match_rule
 
 FAMILY_RULES = {"mixtral": "softmax_topk", "qwen2_moe": "softmax_topk", "qwen3_moe": "softmax_topk",
                 "olmoe": "softmax_topk", "deepseek_v3": "sigmoid_group", "gpt_oss": "topk_softmax"}

@@ -14,8 +14,8 @@ from transformers import MixtralConfig
 
 from hf_hybrid_ep import HybridEPConfigError
 from hf_hybrid_ep.cli import main as cli
-from hf_hybrid_ep.planner import ModelCounts, count_parameters, load_config
-from hf_hybrid_ep.step_time import calibrate_compute, compare, predict_step_time
+from hf_hybrid_ep.planning.planner import ModelCounts, count_parameters, load_config
+from hf_hybrid_ep.planning.step_time import calibrate_compute, compare, predict_step_time
 
 PEAK = 989e12  # H100 SXM dense bf16, FLOP/s
 NVLINK, NIC = 450e9, 50e9  # bytes/s per GPU: NVLink 4 one way; one 400 Gbit/s NIC per GPU
@@ -273,7 +273,7 @@ def test_calibrate_is_short_and_says_links_come_from_the_spec(tmp_path: Path, ca
     assert model_["device_flops"] == model_["calibration"]["flops_per_s"] > 0
     assert model_["calibration"]["seconds"] <= 1.5
     assert model_["calibration"]["links"] == "from the topology spec, not measured: not inside a launched world"
-    from hf_hybrid_ep.planner import format_plan
+    from hf_hybrid_ep.planning.planner import format_plan
 
     assert "measured on this machine (--calibrate" in format_plan(result)
     assert "links from the topology spec, not measured: not inside a launched world (intra-node 300" in \

@@ -232,7 +232,7 @@ class RoutingRecorder:
         import numpy as np
         import torch
 
-        from hf_hybrid_ep.placement import trace_traffic
+        from hf_hybrid_ep.planning.placement import trace_traffic
 
         mesh = self.state.mesh
         topology = mesh.topology if mesh.topology is not None else f"gpus_per_node={ranks_per_node}"

@@ -59,7 +59,7 @@ def run_regime(regime, args) -> None:
     fabric, target vs achieved ratios, and the step-time model's predictions against every run."""
     import regimes as rg
 
-    from hf_hybrid_ep.planner import count_parameters
+    from hf_hybrid_ep.planning.planner import count_parameters
 
     started = time.monotonic()
     model_args = ModelArgs(**regime.model)

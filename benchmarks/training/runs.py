@@ -112,7 +112,7 @@ class StepArgs:
 
 def model_bytes(model_args: ModelArgs) -> dict[str, int]:
     """Exact fp32 bytes of the dense part and of all routed experts (from the model on the meta device)."""
-    from hf_hybrid_ep.planner import count_parameters
+    from hf_hybrid_ep.planning.planner import count_parameters
 
     counts = count_parameters(model_args.hf_config())
     return {"dense_bytes": 4 * counts.dense_params, "expert_bytes": 4 * counts.expert_params,

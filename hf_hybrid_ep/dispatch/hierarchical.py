@@ -23,7 +23,7 @@ the source adds its node rows' partial sums (and its shadows' outputs). Autograd
 reverse, so the backward crosses nodes once per node row as well.
 
 The cross-node rows of one direction are therefore the node-deduplicated sends that
-:func:`hf_hybrid_ep.placement.trace_traffic` predicts; each costs ``k · (weight bytes + 2)`` bytes of
+:func:`hf_hybrid_ep.planning.placement.trace_traffic` predicts; each costs ``k · (weight bytes + 2)`` bytes of
 (int16 keys while ``G · slots < 2¹⁵``) metadata beyond the activations in the dispatch, ``k`` weight
 gradients in its backward, none in the combine.
 """

@@ -1,7 +1,7 @@
 """The reference dispatcher: counts and tokens exchanged with ``all_to_all_single`` (gloo and NCCL).
 
 One MoE layer costs one counts exchange (which also carries every rank's input flags and layer id, see
-:mod:`hf_hybrid_ep.agreement`) and the token exchanges, all inside the EP group, and one device→host
+:mod:`hf_hybrid_ep.parallel.agreement`) and the token exchanges, all inside the EP group, and one device→host
 read (the counts). Everything else is computed on the device with sizes known on the host: no
 ``bincount``, no ``repeat_interleave`` without ``output_size``, no boolean indexing.
 

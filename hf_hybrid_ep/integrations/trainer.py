@@ -9,7 +9,7 @@
 * checkpoints: the model as an expert-sharded hybrid-EP checkpoint (vanilla-loadable), the optimizer
   state keyed by parameter name and global expert id, so ``resume_from_checkpoint`` works at the same
   or another EP degree; scheduler and RNG state as the Trainer writes them;
-* with ``optimizer_sharding="zero1"`` the optimizer is built sharded (:func:`hf_hybrid_ep.zero.reshard_optimizer`):
+* with ``optimizer_sharding="zero1"`` the optimizer is built sharded (:func:`hf_hybrid_ep.parallel.zero.reshard_optimizer`):
   DDP still all-reduces the dense gradients, each rank steps its shard and the shards are all-gathered;
   the engine reduce-scatters expert gradients over their EDP groups. Checkpoints are interchangeable
   with unsharded runs;

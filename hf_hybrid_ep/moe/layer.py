@@ -160,7 +160,7 @@ class ExpertParallelLayer:
         """``[T, H]`` outputs of this layer's experts for ``hidden_states [T, H]`` routed by ``top_k_index`` /
         ``top_k_weights [T, k]``: dispatch → local experts → combine. One counts exchange and the token
         exchanges, all inside the EP group; NaN outputs and no exchange once the EP group has seen bad
-        inputs or a layer mismatch in this forward (:mod:`hf_hybrid_ep.agreement` raises on every rank)."""
+        inputs or a layer mismatch in this forward (:mod:`hf_hybrid_ep.parallel.agreement` raises on every rank)."""
         agreement = self.agreement
         if agreement is not None and agreement.degraded:
             return self._skipped(hidden_states)

@@ -7,7 +7,7 @@ Decision. The loads (and co-activation counts, with ``coactivation_stats``) of e
 world totals that ``routing_step`` all-reduces once per step, summed since the last rebalance, so every
 rank holds the same numbers. A rebalance runs every ``N`` steps, or when the worst layer's rank
 imbalance (max/mean of the expected tokens per EP rank under its current table, the window's loads)
-exceeds ``x``. The new tables come from :func:`hf_hybrid_ep.placement.fit_placement` per layer
+exceeds ``x``. The new tables come from :func:`hf_hybrid_ep.planning.placement.fit_placement` per layer
 (co-activation-aware where the counts exist, else the hierarchical load-balanced packing; topology-
 aware; ``rebalance_replicas`` extra copies of the hottest experts), each layer's computed by one rank
 (layers spread over the world) and all-gathered, so that no floating-point difference between hosts
@@ -185,7 +185,7 @@ def _replica_shares(table: PlacementTable) -> np.ndarray:
 def refit(loads: np.ndarray, coactivation: np.ndarray | None, top_k: int, current: PlacementTable, ep_degree: int,
           topology=None, replicas: int = 0, tolerance: float = 0.05) -> PlacementTable:
     """The table a rebalance puts in place of ``current`` for one layer with these window statistics
-    (``loads [E]``, ``coactivation [E, E]`` or ``None``): fitted by :func:`~hf_hybrid_ep.placement.fit_placement`,
+    (``loads [E]``, ``coactivation [E, E]`` or ``None``): fitted by :func:`~hf_hybrid_ep.planning.placement.fit_placement`,
     aligned to ``current`` (fewest experts moved), or ``current`` itself where the fit does not lower the
     layer's rank imbalance on ``loads``."""
 

@@ -5,7 +5,7 @@ After every optimizer step (:func:`hf_hybrid_ep.routing_step`) each rank decides
 fresh weights. A shadow serves only its holder's own tokens: the dispatcher keeps those (token, k) pairs
 on the holder (they never cross ranks), every other rank's tokens still go to the owner. At the end of
 the step's gradient-reduced backward, before the expert gradient reduction, each holder returns its
-shadows' gradients to their owners (a pre-reduce hook of :class:`hf_hybrid_ep.grads.GradientReducer`),
+shadows' gradients to their owners (a pre-reduce hook of :class:`hf_hybrid_ep.parallel.grads.GradientReducer`),
 which add them to their own: the owner's gradient is then exactly the sum the unshadowed run forms, and
 the EDP reduction, clipping and the optimizer see the same numbers. Shadows expire at that point; the
 next :func:`routing_step` (after ``optimizer.step()``) decides and fetches again.

@@ -7,7 +7,7 @@ the global batch, when each rank's loss is the mean over its own (equal-sized) b
 * an expert's gradient is a sum of contributions from every rank whose tokens reached it; it is
   summed over the ranks holding that expert (its EDP group, plus EP replicas) and divided by ``W``.
 
-Gradients live in persistent flat buckets (:mod:`hf_hybrid_ep.buckets`; ``.grad`` is a view into
+Gradients live in persistent flat buckets (:mod:`hf_hybrid_ep.parallel.buckets`; ``.grad`` is a view into
 them, attached by a forward pre-hook of the model). With ``overlap_grad_reduce`` (the default) a
 post-accumulate-grad hook marks each parameter ready during ``backward``, and a bucket's collective
 (``all_reduce``, or ``reduce_scatter`` under ZeRO-1) is launched asynchronously as soon as its last

@@ -2,10 +2,10 @@
 
 Rank ``g = dp_rank * ep_degree + ep_rank``. EP groups are the ``ep_degree`` consecutive ranks of one
 row; EDP (expert-data-parallel) groups are the strided columns ``{ep_rank + i*ep}``. Launchers number
-ranks node-major, so with a :class:`~hf_hybrid_ep.topology.Topology` an EP group lies inside one node
+ranks node-major, so with a :class:`~hf_hybrid_ep.parallel.topology.Topology` an EP group lies inside one node
 (NVLink) when ``ep ≤ gpus_per_node`` and spans whole nodes otherwise (hierarchical: NVLink inside,
 the network between); ``build_mesh(..., topology=...)`` checks that and refuses a group that would
-straddle a node boundary (:func:`hf_hybrid_ep.topology.ep_group_layout`).
+straddle a node boundary (:func:`hf_hybrid_ep.parallel.topology.ep_group_layout`).
 Meshes are cached per ``(dp, ep, device type, world group)`` so repeated ``parallelize`` calls in one process reuse
 their groups (creating a group is a collective over the whole world).
 """

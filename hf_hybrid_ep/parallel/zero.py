@@ -1,6 +1,6 @@
 """ZeRO-1 optimizer-state sharding for hybrid EP (``optimizer_sharding="zero1"``).
 
-The unit is the gradient reducer's flat bucket (:mod:`hf_hybrid_ep.buckets`): dense buckets over the
+The unit is the gradient reducer's flat bucket (:mod:`hf_hybrid_ep.parallel.buckets`): dense buckets over the
 whole world, expert buckets over the exact set of ranks holding their slots (the EDP group, plus EP
 replicas). A bucket of ``N`` elements over ``G`` ranks has shards of ``S = ceil(N / G)`` elements;
 member ``i`` owns ``[i·S, min((i+1)·S, N))`` (the tail of the last shard is padding, communicated as

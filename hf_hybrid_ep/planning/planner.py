@@ -28,7 +28,7 @@ default; bf16 gradients and activations):
   crossing ranks, for dispatch and combine, forward and backward (×4; ×6 with checkpointing, which
   recomputes the forward).
 
-Topology (``--topology``, :mod:`hf_hybrid_ep.topology`): ranks fill nodes of ``gpus_per_node`` GPUs
+Topology (``--topology``, :mod:`hf_hybrid_ep.parallel.topology`): ranks fill nodes of ``gpus_per_node`` GPUs
 and racks of ``nodes_per_rack`` nodes; EP groups are consecutive ranks, so an EP group lies inside a
 node when ep ≤ GPUs per node and spans ep / gpus_per_node whole nodes otherwise (a layout whose EP
 group would straddle a node boundary is left out). Bytes are split per GPU by the link they cross:
@@ -45,7 +45,7 @@ Communication time (``est_step_comm_s``, kept as it was): per level, bytes / tha
 (GB/s per GPU); the levels of one collective are summed (NVLink, network and spine are used one after
 the other by a hierarchical collective), and the collectives of a step are summed (no overlap assumed).
 
-Predicted step time (``step_time``, :mod:`hf_hybrid_ep.step_time`, whose docstring states every
+Predicted step time (``step_time``, :mod:`hf_hybrid_ep.planning.step_time`, whose docstring states every
 formula): ``compute + exposed communication + optimizer``, where compute = ``T · (6·N_active +
 6·L·S·(d_qk + d_v)) / (device FLOP/s · efficiency)`` (×4/3 with checkpointing; T tokens per GPU per
 step, N_active = dense − input-embedding lookup + k/E · expert parameters), the token exchange is
@@ -220,7 +220,7 @@ class LayoutPlan:
     comm_bytes_intra_node: int = 0  # per GPU per step, by the link level crossed
     comm_bytes_inter_node: int = 0
     comm_bytes_cross_rack: int = 0
-    step_time: StepTime | None = None  # predicted step (hf_hybrid_ep.step_time), checkpointed unless it fits without
+    step_time: StepTime | None = None  # predicted step (hf_hybrid_ep.planning.step_time), checkpointed unless it fits without
 
 
 def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
@@ -306,8 +306,8 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
 
     ``tokens_per_step`` (over the world; default one micro-batch per GPU), ``device_flops`` (peak FLOP/s
     of a GPU; default H100 bf16, 989e12), ``efficiency`` (default 0.4) and ``memory_gbps`` (default
-    3350) feed :func:`hf_hybrid_ep.step_time.predict_step_time`; ``calibration`` (a
-    :class:`~hf_hybrid_ep.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
+    3350) feed :func:`hf_hybrid_ep.planning.step_time.predict_step_time`; ``calibration`` (a
+    :class:`~hf_hybrid_ep.planning.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
     from ``topology``. ``dispatcher`` (as ``HybridEPConfig.dispatcher``) decides how the token exchange is
     modelled: ``"auto"`` and ``"hierarchical"`` count node-deduplicated rows where an EP group spans nodes. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
     from .step_time import DEFAULT_EFFICIENCY, H100_BF16_FLOPS, H100_MEMORY_GBPS, check_step_inputs

@@ -17,7 +17,7 @@ Compute (perfect expert load balance: every rank computes the same number of exp
 * time: ``T · FLOPs per token / (device FLOP/s · efficiency)``, split into forward, backward and
   recompute in the same proportions.
 
-Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planner`: ``intra_node``,
+Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planning.planner`: ``intra_node``,
 ``inter_node``, ``cross_rack``; a level moves its bytes at the topology spec's bandwidth —
 ``nvlink_gbps``, ``network_gbps``, ``rack_gbps`` — GB/s per GPU):
 
@@ -201,7 +201,7 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
     """Predicted step time of layout ``dp × ep`` (formulas in the module docstring).
 
     Args:
-        counts: parameter counts and shapes (:func:`hf_hybrid_ep.planner.count_parameters`).
+        counts: parameter counts and shapes (:func:`hf_hybrid_ep.planning.planner.count_parameters`).
         dp, ep: the layout; EP groups are consecutive ranks, EDP groups ``{r + i·ep}``.
         topology: a :class:`Topology` or its spec string; link bandwidths come from it.
         tokens_per_step: tokens per optimizer step over the whole world (a multiple of
@@ -210,7 +210,7 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         activation_checkpointing: recompute the forward during the backward.
         device_flops: peak FLOP/s of one GPU; ``efficiency`` ∈ (0, 1] the achieved share (MFU).
         memory_gbps: device memory bandwidth in GB/s, for the optimizer term.
-        optimizer_sharding, dense_sharding, recipe: as in :func:`hf_hybrid_ep.planner.plan`.
+        optimizer_sharding, dense_sharding, recipe: as in :func:`hf_hybrid_ep.planning.planner.plan`.
         a2a_hidden_fraction: share of the token exchange hidden behind expert compute (0: none).
         exchange_overhead_s: fixed seconds per exchange collective (latency, waiting for peers).
         dispatcher: the engine's ``dispatcher`` setting: ``"hierarchical"`` (and ``"auto"``) model the

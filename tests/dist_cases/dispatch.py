@@ -25,7 +25,7 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num
     """The hierarchical dispatcher against the plain one on the same model, batch and layout (logits and
     gradients after one forward and backward), and its cross-node rows per direction against
     ``trace_traffic`` for the routing this rank sent (exact without replicas)."""
-    from hf_hybrid_ep.placement import trace_traffic
+    from hf_hybrid_ep.planning.placement import trace_traffic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {}

@@ -82,7 +82,7 @@ def modality_mismatch(model_type: str) -> dict:
 
 def replica_check(corrupt: str | None, corrupt_rank: int) -> dict:
     """verify_replicas on a (2, 2) layout after a training step; optionally corrupt one replica."""
-    from hf_hybrid_ep.consistency import ReplicaDivergenceError, verify_replicas
+    from hf_hybrid_ep.parallel.consistency import ReplicaDivergenceError, verify_replicas
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build("qwen3_moe", 4)
@@ -101,7 +101,7 @@ def replica_check(corrupt: str | None, corrupt_rank: int) -> dict:
 
 def fp16_overflow_agreement(agree: bool) -> dict:
     """An overflow in one rank's expert gradients must skip the optimizer step on every rank."""
-    from hf_hybrid_ep.amp import agree_found_inf_
+    from hf_hybrid_ep.parallel.amp import agree_found_inf_
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build("qwen3_moe", 4)

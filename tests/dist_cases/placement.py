@@ -46,7 +46,7 @@ def group_creation_calls(dp: int, ep: int, sets: list[tuple[int, ...]]) -> list[
     """The ``new_group`` calls this rank makes when asked for ``sets`` (every rank must make the same)."""
     from unittest import mock
 
-    from hf_hybrid_ep.mesh import build_mesh
+    from hf_hybrid_ep.parallel.mesh import build_mesh
 
     mesh = build_mesh(dp, ep)
     calls = []

@@ -3,7 +3,7 @@
 A placement is a :class:`~hf_hybrid_ep.dispatch.PlacementTable` (rows = EP ranks of one EP group, one
 table for every MoE layer, as ``HybridEPConfig(placement=...)`` takes it). EP rank ``r`` of a group
 sits on node ``r // g`` of the group (``g = min(ep, gpus_per_node)`` consecutive ranks per node, see
-:mod:`hf_hybrid_ep.topology`), and that node in rack ``node // nodes_per_rack``.
+:mod:`hf_hybrid_ep.parallel.topology`), and that node in rack ``node // nodes_per_rack``.
 
 Statistics (:class:`RoutingStats`): per expert ``N_e`` (routed assignments, ``tokens_per_expert`` of
 ``expert_load.jsonl``) and per expert pair ``C_ab`` (tokens that chose both a and b, the
