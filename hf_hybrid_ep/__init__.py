@@ -41,6 +41,10 @@ register_experts_implementation()  # model.set_experts_implementation("hybrid_ep
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    return _compat.moved_attribute(name)  # the 0.1 submodules as attributes (hf_hybrid_ep.cache, ...)
+
 __all__ = [
     "build_mesh",
     "cache_stats",

@@ -77,3 +77,11 @@ def install() -> None:
     """Make the old paths importable (idempotent)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def moved_attribute(name: str) -> types.ModuleType:
+    """``hf_hybrid_ep.<name>`` as an attribute for a 0.1 submodule (``hep.cache.SafetensorsStore``)."""
+    full = f"hf_hybrid_ep.{name}"
+    if full not in MOVED:
+        raise AttributeError(f"module 'hf_hybrid_ep' has no attribute {name!r}")
+    return importlib.import_module(full)

@@ -18,6 +18,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-hybrid-ep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_checkpoint_commands(sub)
+    _add_plan_command(sub)
+    _add_place_command(sub)
+    _add_report_commands(sub)
+    return parser
+
+
+def _add_checkpoint_commands(sub) -> None:
+    """convert, reshard, export."""
     p = sub.add_parser("convert", help="convert a Hub repo or local checkpoint to the hybrid-EP format")
     p.add_argument("src", help="Hub repo id or local checkpoint directory")
     p.add_argument("out", help="output directory (must not exist or be empty)")
@@ -41,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
 
+
+def _add_plan_command(sub) -> None:
     from .planning.planner import __doc__ as memory_model
     from .planning.step_time import __doc__ as step_model
 
@@ -78,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
+
+def _add_place_command(sub) -> None:
     from .planning.placement import __doc__ as placement_model
 
     p = sub.add_parser("place", help="topology- and co-activation-aware expert placement (with hot-expert replicas)",
@@ -93,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                    "instead of one table per layer")
     p.add_argument("--out", required=True, help="placement.json: one table per MoE layer (or --one-table)")
 
+
+def _add_report_commands(sub) -> None:
+    """report, inspect."""
     p = sub.add_parser("report", help="plots and a summary of an expert_load.jsonl")
     p.add_argument("stats", help="expert_load.jsonl written during training")
     p.add_argument("--out", required=True, help="directory for the PNG plots and summary.txt")
@@ -101,7 +117,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum")
     p.add_argument("--json", action="store_true", help="print JSON")
-    return parser
 
 
 def _read_placement(path: str | None) -> list[list[int]] | dict[str, list[list[int]]] | None:

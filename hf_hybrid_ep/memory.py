@@ -112,7 +112,7 @@ def measure(model_type: str = "qwen3_moe", num_experts: int = 4, dp: int | None 
     from .config import HybridEPConfig
     from .parallel.zero import make_optimizer
     from .parallelize import parallelize
-    from .planning.planner import count_parameters, rank_state_bytes
+    from .planning.counts import count_parameters, rank_state_bytes
 
     model = _tiny_model(model_type, num_experts, **model_kwargs)
     config = HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding,

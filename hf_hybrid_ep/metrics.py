@@ -24,9 +24,8 @@ window's loads), this rank's bytes sent and seconds.
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch import nn
 
 from .errors import HybridEPConfigError
 from .planning.placement import rank_loads
+from .planning.placement.stats import check_records
 from .state import state_of
 
 JSONL_NAME = "expert_load.jsonl"
@@ -113,91 +113,6 @@ def append_jsonl(path: str | os.PathLike[str], step: int, report: dict[str, dict
 
 
 REPORT_KEYS = ("tokens_per_rank", "imbalance_expert", "imbalance_rank", "dropped_fraction", "dead_experts")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_counts(where: str, key: str, value: Any) -> int:
-    """A non-empty list of non-negative finite numbers; returns its length."""
-    if not isinstance(value, list) or not value:
-        raise HybridEPConfigError(f"{where}: {key} must be a non-empty list of token counts, got {value!r:.80}")
-    for i, x in enumerate(value):
-        if not _is_number(x):
-            raise HybridEPConfigError(f"{where}: {key}[{i}] = {x!r} is not a number")
-        if x < 0:
-            raise HybridEPConfigError(f"{where}: {key}[{i}] = {x!r} is negative; loads are token counts (≥ 0)")
-    return len(value)
-
-
-def check_records(records: Sequence[Any], where: Sequence[str] | None = None, layers: Iterable[str] | None = None,
-                  require: Iterable[str] = ()) -> int:
-    """Refuse malformed ``expert_load.jsonl`` records before anything is computed from them.
-
-    Every record needs a non-negative integer ``step`` and a non-empty ``layers`` mapping; every layer
-    (of ``layers``, all by default) a ``tokens_per_expert`` list of non-negative numbers of the same
-    length everywhere, an ``E × E`` non-negative ``coactivation`` if present, and the keys in
-    ``require``. Errors name the record (``where[i]``, e.g. ``file:line``), the layer and the key.
-
-    Returns:
-        The expert count ``E``.
-    """
-    if not records:
-        raise HybridEPConfigError("expert-load statistics hold no records")
-    where = list(where) if where is not None else [f"record {i}" for i in range(len(records))]
-    selected = None if layers is None else list(layers)
-    require = tuple(require)
-    experts: tuple[int, str] | None = None
-    ranks: tuple[int, str] | None = None
-    for record, at in zip(records, where, strict=True):
-        if not isinstance(record, Mapping):
-            raise HybridEPConfigError(f"{at}: a record must be a JSON object, got {type(record).__name__}")
-        for key in ("step", "layers"):
-            if key not in record:
-                raise HybridEPConfigError(f"{at}: key {key!r} is missing")
-        step = record["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise HybridEPConfigError(f"{at}: key 'step' must be a non-negative integer, got {step!r}")
-        if not isinstance(record["layers"], Mapping) or not record["layers"]:
-            raise HybridEPConfigError(f"{at}: key 'layers' must map MoE layer names to their statistics, "
-                                      f"got {record['layers']!r:.80}")
-        names = record["layers"] if selected is None else [n for n in selected if n in record["layers"]]
-        for name in names:
-            layer = record["layers"][name]
-            here = f"{at}: layer {name!r}"
-            if not isinstance(layer, Mapping):
-                raise HybridEPConfigError(f"{here}: statistics must be a JSON object, got {type(layer).__name__}")
-            for key in ("tokens_per_expert", *require):
-                if key not in layer:
-                    raise HybridEPConfigError(f"{here}: key {key!r} is missing")
-            E = _check_counts(here, "tokens_per_expert", layer["tokens_per_expert"])
-            if experts is None:
-                experts = (E, f"{at} (layer {name!r})")
-            elif E != experts[0]:
-                raise HybridEPConfigError(f"{here}: tokens_per_expert has {E} experts, but {experts[1]} has "
-                                          f"{experts[0]}; every record and layer must count the same experts")
-            if "coactivation" in layer:
-                try:
-                    matrix = np.asarray(layer["coactivation"], dtype=float)
-                except (TypeError, ValueError):
-                    matrix = None
-                if matrix is None or matrix.shape != (E, E) or not np.isfinite(matrix).all() or (matrix < 0).any():
-                    raise HybridEPConfigError(f"{here}: key 'coactivation' must be a {E} × {E} matrix of "
-                                              "non-negative counts")
-            if "tokens_per_rank" in require:
-                R = _check_counts(here, "tokens_per_rank", layer["tokens_per_rank"])
-                if ranks is None:
-                    ranks = (R, f"{at} (layer {name!r})")
-                elif R != ranks[0]:
-                    raise HybridEPConfigError(f"{here}: tokens_per_rank has {R} ranks, but {ranks[1]} has {ranks[0]}")
-            for key in require:
-                if key != "tokens_per_rank" and (not _is_number(layer[key]) or layer[key] < 0):
-                    raise HybridEPConfigError(f"{here}: key {key!r} must be a non-negative number, got {layer[key]!r}")
-    if experts is None:
-        raise HybridEPConfigError(f"expert-load statistics have no layer {selected[0]!r}" if selected
-                                  else "expert-load statistics hold no layers")
-    return experts[0]
 
 
 def read_jsonl(path: str | os.PathLike[str], require: Iterable[str] = ()) -> list[dict[str, Any]]:

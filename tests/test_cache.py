@@ -106,7 +106,7 @@ def test_safetensors_store_decoding_equals_resident_decoding(converted, prefetch
             for p in module.parameters(recurse=False):
                 p.zero_()
     hep.offload(model, capacity=3, policy="lru", store=converted, prefetch=prefetch)
-    assert isinstance(model._hybrid_ep_offload[0].store, hep.cache.SafetensorsStore)
+    assert isinstance(model._hybrid_ep_offload[0].store, hep.inference.offload.SafetensorsStore)
     ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
     got, want = _decode(model, ids), _decode(reference, ids)
     assert torch.equal(got.sequences, want.sequences)

@@ -38,7 +38,7 @@ from .format import (
     read_index,
     write_index,
 )
-from .layout import ModelExperts, classify_keys, model_experts
+from .layout import ModelExperts, classify_keys, model_experts, model_tensor_names
 from .manifest import save_metadata
 from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, sha256_file
 from .side_state import SIDE_FILE
@@ -315,8 +315,6 @@ def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degre
 def _expert_key_layers(model: nn.Module, keys: list[str], tables: dict[str, PlacementTable]) -> dict[str, str]:
     """The MoE layer (experts module name) of every per-expert checkpoint key, through transformers'
     conversion mapping (checkpoint formats name layers their own way, e.g. ``block_sparse_moe``)."""
-    from .load import model_tensor_names
-
     layer_of = {}
     for key, (name, _) in model_tensor_names(model, keys).items():
         module = name.rpartition(".")[0]

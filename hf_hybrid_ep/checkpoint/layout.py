@@ -139,3 +139,15 @@ def classify_keys(specs: dict[str, TensorSpec], num_experts: int) -> dict[str, K
     if not any(r.kind != "dense" for r in roles.values()):
         raise CheckpointError("the checkpoint holds no routed-expert tensors (per-expert or fused keys)")
     return roles
+
+
+def model_tensor_names(model: nn.Module, keys) -> dict[str, tuple[str, str | None]]:
+    """For each checkpoint key, the model tensor it becomes under transformers' conversion mapping
+    (renamings, then converters) and the converter source pattern it matched (``None``: loaded as is)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, apply_converters, apply_renamings
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return {key: apply_converters(apply_renamings(key, renamings), converters) for key in keys}

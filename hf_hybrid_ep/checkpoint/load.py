@@ -26,8 +26,9 @@ from ..errors import CheckpointError
 from ..moe.layer import ExpertParallelLayer
 from ..state import state_of
 from .atomic import open_checkpoint
+from .convert import hub_metadata
 from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
-from .layout import build_meta_model, read_config
+from .layout import build_meta_model, model_tensor_names, read_config
 from .manifest import CheckpointVerifier
 from .safetensors_io import read_header
 from .side_state import load_side_state
@@ -57,18 +58,6 @@ def _weight_map(root: Path) -> dict[str, str]:
         specs, _ = read_header(root / SINGLE_NAME)
         return {k: SINGLE_NAME for k in specs}
     raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
-
-
-def model_tensor_names(model: nn.Module, keys) -> dict[str, tuple[str, str | None]]:
-    """For each checkpoint key, the model tensor it becomes under transformers' conversion mapping
-    (renamings, then converters) and the converter source pattern it matched (``None``: loaded as is)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, apply_converters, apply_renamings
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    return {key: apply_converters(apply_renamings(key, renamings), converters) for key in keys}
 
 
 def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_map: dict[str, str]) -> dict[str, _Target]:
@@ -294,7 +283,6 @@ def from_pretrained(
     checkpoint runs unless ``trust_remote_code=True``.
     """
     from ..parallelize import parallelize
-    from .convert import hub_metadata
 
     fetch = None
     if Path(path).is_dir():

@@ -62,140 +62,32 @@ cross-node token bytes) and ``r_x`` (pure EP's cross-node token-exchange time / 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from ..checkpoint.layout import _from_config
-from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
-from ..moe.discovery import check_shardable, expert_parameter_names
 from ..parallel.topology import Topology, ep_group_layout
-
-if TYPE_CHECKING:
-    from .step_time import StepTime
-
-KNOWN_CONFIGS = Path(__file__).resolve().parent.parent / "known_configs"
-RECIPES = {"bf16-adamw": (2, 2, 12), "fp32-adamw": (4, 4, 8), "bf16-sgd": (2, 2, 4)}  # weights, grads, optimizer
-
-
-@dataclass(frozen=True)
-class ModelCounts:
-    """Parameter counts of an architecture (exact, from the model built on the meta device)."""
-
-    model_type: str
-    total_params: int
-    dense_params: int
-    expert_params: int
-    num_experts: int
-    top_k: int
-    moe_layers: int
-    dense_layers: int
-    hidden: int
-    heads: int
-    expert_width: int
-    dense_shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)  # for FSDP's dim-0 shards
-    embedding_lookup_params: int = 0  # input-embedding table not tied to the output projection (no FLOPs)
-    qk_dim: int = 0  # heads × query/key head width (attention scores); 0: hidden
-    v_dim: int = 0  # heads × value head width; 0: hidden
-
-
-def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    """A config from a directory, a config.json, a shipped well-known repo id, or the Hub.
-
-    Code a config names in ``auto_map`` runs only with ``trust_remote_code=True`` (never a prompt)."""
-    path = Path(model)
-    shipped = KNOWN_CONFIGS / (model.replace("/", "__") + ".json")
-    if path.is_dir():
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if path.is_file():
-        return _config_from_json(path)
-    if shipped.is_file():
-        return _config_from_json(shipped)
-    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-
-
-def _config_from_json(path: Path) -> PretrainedConfig:
-    import json
-
-    data = json.loads(path.read_text())
-    from transformers import CONFIG_MAPPING
-
-    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
-
-
-def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) -> ModelCounts:
-    import torch
-
-    with torch.device("meta"):
-        model = _from_config(config, trust_remote_code)
-    found = check_shardable(model)
-    expert_ids = set()
-    expert = 0
-    for name, module in found:
-        for pname in expert_parameter_names(name, module):
-            p = getattr(module, pname)
-            expert_ids.add(id(p))
-            expert += p.numel()
-    total = sum(p.numel() for p in model.parameters())
-    first = found[0][1]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    top_k = next(getattr(text, a) for a in ("num_experts_per_tok", "moe_k", "top_k") if hasattr(text, a))
-    width = first.down_proj.shape[1] if first.is_transposed else first.down_proj.shape[2]  # I
-    heads = int(text.num_attention_heads)
-    head = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
-    qk = getattr(text, "qk_head_dim", None) or head  # MLA (DeepSeek): no-RoPE + RoPE parts
-    v = getattr(text, "v_head_dim", None) or head
-    table, output = model.get_input_embeddings(), model.get_output_embeddings()
-    lookup = table.weight.numel() if output is None or output.weight is not table.weight else 0
-    return ModelCounts(
-        model_type=config.model_type, total_params=total, dense_params=total - expert, expert_params=expert,
-        num_experts=first.num_experts, top_k=int(top_k), moe_layers=len(found),
-        dense_layers=int(text.num_hidden_layers) - len(found), hidden=int(text.hidden_size),
-        heads=heads, expert_width=int(width),
-        dense_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in expert_ids),
-        embedding_lookup_params=int(lookup), qk_dim=heads * int(qk), v_dim=heads * int(v),
-    )
-
-
-def _shard_numel(n: int, members: int, index: int) -> int:
-    """Elements member ``index`` of ``members`` owns of an ``n``-element flat bucket (ceil-sized shards)."""
-    size = math.ceil(n / members)
-    return max(0, min(n - index * size, size))
-
-
-def _fsdp_numel(shapes: tuple[tuple[int, ...], ...], world: int, rank: int) -> int:
-    """Elements of the dense tensors that FSDP2 leaves on ``rank`` (dim-0 chunks of ``ceil(d0/W)`` rows)."""
-    total = 0
-    for shape in shapes:
-        rest = math.prod(shape[1:])
-        total += _shard_numel(shape[0], world, rank) * rest if shape else 1
-    return total
-
-
-def rank_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int = 0, recipe: str = "bf16-adamw",
-                     optimizer_sharding: str = "none", dense_sharding: str = "replicate") -> dict[str, int]:
-    """Bytes of weights, gradients and optimizer state on global rank ``rank`` of a dp × ep layout.
-
-    The same formula the engine's :func:`hf_hybrid_ep.memory.memory_report` measures (contiguous
-    placement; every parameter trainable).
-    """
-    if optimizer_sharding not in OPTIMIZER_SHARDINGS:
-        raise ValueError(f"optimizer_sharding={optimizer_sharding!r} is not one of {list(OPTIMIZER_SHARDINGS)}")
-    if dense_sharding not in DENSE_SHARDINGS:
-        raise ValueError(f"dense_sharding={dense_sharding!r} is not one of {list(DENSE_SHARDINGS)}")
-    w, g, o = RECIPES[recipe]
-    world = dp * ep
-    experts = m.expert_params // ep
-    dense = _fsdp_numel(m.dense_shapes, world, rank) if dense_sharding == "fsdp" else m.dense_params
-    held = dense + experts
-    if optimizer_sharding == "zero1":
-        dense_state = dense if dense_sharding == "fsdp" else _shard_numel(m.dense_params, world, rank)
-        state = dense_state + _shard_numel(experts, dp, rank // ep)
-    else:
-        state = held
-    return {"params": held, "weight_bytes": held * w, "grad_bytes": held * g, "optimizer_bytes": state * o}
+from .counts import (  # noqa: F401  (re-exported: the planner's public names of 0.1)
+    KNOWN_CONFIGS,
+    RECIPES,
+    ModelCounts,
+    _activations,
+    _allreduce_split,
+    _ranks_per,
+    count_parameters,
+    load_config,
+    rank_state_bytes,
+)
+from .step_time import (
+    DEFAULT_EFFICIENCY,
+    H100_BF16_FLOPS,
+    H100_MEMORY_GBPS,
+    StepTime,
+    check_step_inputs,
+    compare,
+    predict_step_time,
+)
 
 
 @dataclass
@@ -221,16 +113,6 @@ class LayoutPlan:
     comm_bytes_inter_node: int = 0
     comm_bytes_cross_rack: int = 0
     step_time: StepTime | None = None  # predicted step (hf_hybrid_ep.planning.step_time), checkpointed unless it fits without
-
-
-def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
-    attention = batch * seq * 10 * m.hidden
-    moe = attention + batch * seq * m.top_k * (2 * m.hidden + 6 * m.expert_width) + 4 * batch * seq * m.num_experts
-    dense = batch * seq * 34 * m.hidden
-    full = m.moe_layers * moe + m.dense_layers * dense
-    layers = m.moe_layers + m.dense_layers
-    checkpointed = 2 * batch * seq * m.hidden * layers + max(moe, dense if m.dense_layers else 0)
-    return full, checkpointed
 
 
 def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, topo: Topology,
@@ -259,25 +141,6 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
         ep_group=group, comm_bytes_intra_node=int(split["intra_node"]), comm_bytes_inter_node=int(split["inter_node"]),
         comm_bytes_cross_rack=int(split["cross_rack"]),
     )
-
-
-def _ranks_per(topo: Topology, ranks: list[int]) -> tuple[int, int, int, int]:
-    """(ranks on one node, ranks in one rack, nodes, racks) of a group of global ranks (uniform groups)."""
-    nodes = {topo.node_of(r) for r in ranks}
-    racks = {topo.rack_of(r) for r in ranks}
-    return len(ranks) // len(nodes), len(ranks) // len(racks), len(nodes), len(racks)
-
-
-def _allreduce_split(topo: Topology, ranks: list[int], size: float) -> dict[str, float]:
-    """Per-GPU bytes of a hierarchical all-reduce of ``size`` bytes over ``ranks``, by link level."""
-    out = {"intra_node": 0.0, "inter_node": 0.0, "cross_rack": 0.0}
-    if len(ranks) < 2:
-        return out
-    g, _, nodes, racks = _ranks_per(topo, ranks)
-    out["intra_node"] = 2 * (g - 1) / g * size
-    if nodes > 1:
-        out["cross_rack" if racks > 1 else "inter_node"] = 2 * (nodes - 1) / nodes * size / g
-    return out
 
 
 def _comm_split(gpus: int, dp: int, ep: int, topo: Topology, dense_bytes: float, expert_bytes: float,
@@ -310,8 +173,6 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
     :class:`~hf_hybrid_ep.planning.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
     from ``topology``. ``dispatcher`` (as ``HybridEPConfig.dispatcher``) decides how the token exchange is
     modelled: ``"auto"`` and ``"hierarchical"`` count node-deduplicated rows where an EP group spans nodes. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
-    from .step_time import DEFAULT_EFFICIENCY, H100_BF16_FLOPS, H100_MEMORY_GBPS, check_step_inputs
-
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
     sources = {"device_flops": "default" if device_flops is None else "given",
@@ -335,8 +196,6 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
                            micro_batches=micro_batches)
                for ep in range(1, gpus + 1) if gpus % ep == 0 and counts.num_experts % ep == 0
                and _follows(gpus, ep, topo)]
-    from .step_time import compare, predict_step_time
-
     for p in layouts:
         p.step_time = predict_step_time(
             counts, p.dp, p.ep, topo, tokens_per_step=tokens_per_step, micro_batch=micro_batch, seq_len=seq_len,

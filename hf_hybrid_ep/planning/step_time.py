@@ -81,13 +81,7 @@ from typing import Any
 from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
-from .planner import (
-    RECIPES,
-    ModelCounts,
-    _allreduce_split,
-    _ranks_per,
-    rank_state_bytes,
-)
+from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak, FLOP/s (H100 SXM)
 H100_MEMORY_GBPS = 3350.0  # HBM3, GB/s (H100 SXM)
@@ -221,6 +215,32 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
     world = dp * ep
     check_step_inputs(world, tokens_per_step, micro_batch, seq_len, device_flops, efficiency, memory_gbps,
                       a2a_hidden_fraction, exchange_overhead_s)
+    _check_layout_choices(counts, ep, recipe, optimizer_sharding, dense_sharding)
+    topo.check_world(world)
+    b_w, b_g, b_o = RECIPES[recipe]
+    tokens = tokens_per_step // world
+    micro_batches = tokens // (micro_batch * seq_len)
+    compute = _compute_terms(counts, tokens, seq_len, activation_checkpointing, device_flops * efficiency)
+    exchange = _exchange_terms(counts, topo, ep, tokens, micro_batches, b_w, activation_checkpointing, dispatcher,
+                               exchange_overhead_s, a2a_hidden_fraction)
+    window = (compute["backward_s"] + compute["recompute_s"]) / micro_batches
+    reduction = _reduction_terms(counts, topo, dp, ep, b_g, optimizer_sharding, dense_sharding, window)
+    gathers = _gather_terms(counts, topo, dp, ep, b_w, micro_batches, optimizer_sharding, dense_sharding)
+    optimizer = _optimizer_terms(counts, dp, ep, recipe, optimizer_sharding, dense_sharding, memory_gbps)
+    exposed = (exchange["a2a_exposed_s"] + reduction["grad_reduce_exposed_s"] + gathers["zero1_gather_s"]
+               + gathers["fsdp_gather_s"])
+    step_s = compute["compute_s"] + exposed + optimizer["optimizer_s"]
+    return StepTime(
+        dp=dp, ep=ep, tokens_per_step=tokens_per_step, tokens_per_rank=tokens, micro_batches=micro_batches,
+        samples_per_step=tokens_per_step // seq_len, activation_checkpointing=activation_checkpointing,
+        **compute, **exchange, **reduction, **gathers, **optimizer,
+        exposed_comm_s=exposed, step_s=step_s, tokens_per_s=tokens_per_step / step_s,
+        samples_per_s=tokens_per_step / seq_len / step_s,
+    )
+
+
+def _check_layout_choices(counts: ModelCounts, ep: int, recipe: str, optimizer_sharding: str,
+                          dense_sharding: str) -> None:
     if recipe not in RECIPES:
         raise HybridEPConfigError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
     if optimizer_sharding not in OPTIMIZER_SHARDINGS:
@@ -229,13 +249,12 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         raise HybridEPConfigError(f"dense_sharding={dense_sharding!r} is not one of {list(DENSE_SHARDINGS)}")
     if counts.num_experts % ep:
         raise HybridEPConfigError(f"ep={ep} does not divide the {counts.num_experts} experts")
-    topo.check_world(world)
-    b_w, b_g, b_o = RECIPES[recipe]
-    b_a = b_w  # activations travel in the compute dtype
-    tokens = tokens_per_step // world
-    micro_batches = tokens // (micro_batch * seq_len)
 
-    # compute
+
+def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_checkpointing: bool,
+                   rate: float) -> dict[str, float]:
+    """FLOPs per token (matmuls of the active parameters, attention, recompute) and seconds per step
+    of one rank's ``tokens`` at ``rate`` FLOP/s."""
     active = counts.dense_params - counts.embedding_lookup_params + counts.expert_params * counts.top_k / counts.num_experts
     layers = counts.moe_layers + counts.dense_layers
     qk = counts.qk_dim or counts.hidden
@@ -243,14 +262,20 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
     matmul = 6.0 * active
     attention = 6.0 * layers * seq_len * (qk + v)
     recompute = (matmul + attention) / 3 if activation_checkpointing else 0.0
-    flops = matmul + attention + recompute
-    rate = device_flops * efficiency
     forward_s = tokens * (matmul + attention) / 3 / rate
     backward_s = 2 * forward_s
     recompute_s = tokens * recompute / rate
-    compute_s = forward_s + backward_s + recompute_s
+    return {"matmul_flops_per_token": matmul, "attention_flops_per_token": attention,
+            "recompute_flops_per_token": recompute, "flops_per_token": matmul + attention + recompute,
+            "effective_flops": rate, "forward_s": forward_s, "backward_s": backward_s, "recompute_s": recompute_s,
+            "compute_s": forward_s + backward_s + recompute_s}
 
-    # token exchange over the EP group (ranks 0..ep-1)
+
+def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, micro_batches: int, b_a: int,
+                    activation_checkpointing: bool, dispatcher: str, exchange_overhead_s: float,
+                    a2a_hidden_fraction: float) -> dict[str, Any]:
+    """The token exchange over the EP group (ranks 0..ep-1): bytes and seconds per link level, the
+    collectives' fixed costs, the hidden share. Activations travel in the compute dtype (``b_a``)."""
     exchanges = 6 if activation_checkpointing else 4
     routed = counts.top_k * tokens * counts.hidden * b_a * counts.moe_layers * exchanges
     a2a = _levels()
@@ -269,19 +294,31 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         collectives = exchanges + 1 if ep > 1 else 0
     a2a_s += collectives * counts.moe_layers * micro_batches * exchange_overhead_s
     a2a_hidden = a2a_s * a2a_hidden_fraction
+    return {"a2a_bytes": a2a, "a2a_s_by_level": a2a_by_level, "a2a_s": a2a_s, "a2a_hidden_s": a2a_hidden,
+            "a2a_exposed_s": a2a_s - a2a_hidden, "dispatcher": "hierarchical" if hierarchical else "torch"}
 
-    # gradient reduction (all-reduce, or reduce-scatter: half the bytes)
-    world_ranks, edp_ranks = list(range(world)), [i * ep for i in range(dp)]
+
+def _reduction_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_g: int, optimizer_sharding: str,
+                     dense_sharding: str, window: float) -> dict[str, Any]:
+    """Gradient reduction (all-reduce, or reduce-scatter: half the bytes), hidden up to the last
+    micro-batch's backward (``window`` seconds)."""
+    world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
     dense_factor = 0.5 if optimizer_sharding == "zero1" or dense_sharding == "fsdp" else 1.0
     expert_factor = 0.5 if optimizer_sharding == "zero1" else 1.0
     dense_grad = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_g), dense_factor)
     expert_grad = _scaled(_allreduce_split(topo, edp_ranks, counts.expert_params / ep * b_g), expert_factor)
     reduce_by_level = _seconds({lv: dense_grad[lv] + expert_grad[lv] for lv in LINK_LEVELS}, topo)
     reduce_s = sum(reduce_by_level.values())
-    window = (backward_s + recompute_s) / micro_batches
     reduce_hidden = min(reduce_s, window)
+    return {"dense_grad_bytes": dense_grad, "expert_grad_bytes": expert_grad, "grad_reduce_s_by_level": reduce_by_level,
+            "grad_reduce_s": reduce_s, "grad_hide_window_s": window, "grad_reduce_hidden_s": reduce_hidden,
+            "grad_reduce_exposed_s": reduce_s - reduce_hidden}
 
-    # ZeRO-1 parameter all-gather after the step; FSDP2 weight gathers every micro-batch
+
+def _gather_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_w: int, micro_batches: int,
+                  optimizer_sharding: str, dense_sharding: str) -> dict[str, Any]:
+    """ZeRO-1's parameter all-gather after the step; FSDP2's weight gathers every micro-batch."""
+    world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
     zero_dense, zero_expert = _levels(), _levels()
     if optimizer_sharding == "zero1":
         if dense_sharding == "replicate":
@@ -291,30 +328,19 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
     fsdp = _levels()
     if dense_sharding == "fsdp":
         fsdp = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_w), 0.5 * 2 * micro_batches)
-    fsdp_s = sum(_seconds(fsdp, topo).values())
+    return {"zero1_dense_gather_bytes": zero_dense, "zero1_expert_gather_bytes": zero_expert, "zero1_gather_s": zero_s,
+            "fsdp_gather_bytes": fsdp, "fsdp_gather_s": sum(_seconds(fsdp, topo).values())}
 
-    # optimizer
+
+def _optimizer_terms(counts: ModelCounts, dp: int, ep: int, recipe: str, optimizer_sharding: str,
+                     dense_sharding: str, memory_gbps: float) -> dict[str, float]:
+    """The optimizer step as memory traffic: every updated parameter's weight, state and gradient."""
+    b_w, b_g, b_o = RECIPES[recipe]
     state = rank_state_bytes(counts, dp, ep, 0, recipe, optimizer_sharding, dense_sharding)
     updated = state["optimizer_bytes"] // b_o
     touched = updated * (2 * (b_w + b_o) + b_g)
-    optimizer_s = touched / (memory_gbps * 1e9)
-
-    exposed = (a2a_s - a2a_hidden) + (reduce_s - reduce_hidden) + zero_s + fsdp_s
-    step_s = compute_s + exposed + optimizer_s
-    return StepTime(
-        dp=dp, ep=ep, tokens_per_step=tokens_per_step, tokens_per_rank=tokens, micro_batches=micro_batches,
-        samples_per_step=tokens_per_step // seq_len, activation_checkpointing=activation_checkpointing,
-        matmul_flops_per_token=matmul, attention_flops_per_token=attention, recompute_flops_per_token=recompute,
-        flops_per_token=flops, effective_flops=rate, forward_s=forward_s, backward_s=backward_s,
-        recompute_s=recompute_s, compute_s=compute_s, a2a_bytes=a2a, a2a_s_by_level=a2a_by_level, a2a_s=a2a_s,
-        a2a_hidden_s=a2a_hidden, a2a_exposed_s=a2a_s - a2a_hidden, dense_grad_bytes=dense_grad,
-        expert_grad_bytes=expert_grad, grad_reduce_s_by_level=reduce_by_level, grad_reduce_s=reduce_s,
-        grad_hide_window_s=window, grad_reduce_hidden_s=reduce_hidden, grad_reduce_exposed_s=reduce_s - reduce_hidden,
-        zero1_dense_gather_bytes=zero_dense, zero1_expert_gather_bytes=zero_expert, zero1_gather_s=zero_s,
-        fsdp_gather_bytes=fsdp, fsdp_gather_s=fsdp_s, optimizer_params=updated, optimizer_bytes_touched=touched,
-        optimizer_s=optimizer_s, exposed_comm_s=exposed, step_s=step_s, tokens_per_s=tokens_per_step / step_s,
-        samples_per_s=tokens_per_step / seq_len / step_s, dispatcher="hierarchical" if hierarchical else "torch",
-    )
+    return {"optimizer_params": updated, "optimizer_bytes_touched": touched,
+            "optimizer_s": touched / (memory_gbps * 1e9)}
 
 
 def node_hit_probability(num_experts: int, experts_on_node: int, top_k: int) -> float:
