@@ -11,7 +11,7 @@ capacity.
 memory-mapped from a checkpoint written to the output directory) with and without prefetch, and reports
 the prediction's recall and the hit rates.
 
-Hot-expert shadowing in training (bytes crossing ranks per step with and without ``expert_cache``, on a
+Hot-expert shadowing in training (bytes crossing ranks per step with and without ``shadow_experts``, on a
 skewed workload: a tiny GPT-OSS whose router bias makes two experts draw most tokens)::
 
     torchrun --standalone --nproc_per_node 4 benchmarks/bench_cache.py --shadow --out bench_cache_shadow
@@ -99,15 +99,15 @@ def _skewed_gpt_oss(num_experts: int, hot: list[int], skew: float):
 
 
 def shadow_bench(args) -> None:
-    """Train a few AdamW steps twice (expert_cache off, on) on every rank; report bytes crossing ranks."""
+    """Train a few AdamW steps twice (shadow_experts off, on) on every rank; report bytes crossing ranks."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     hot = [0, args.experts // 2]
     runs = {}
     for cache in (False, True):
         model = _skewed_gpt_oss(args.experts, hot, args.skew)
-        config = hep.HybridEPConfig(ep_degree=world, dp_degree=1, expert_cache=cache,
-                                    expert_cache_capacity=args.shadow_capacity)
+        config = hep.HybridEPConfig(ep_degree=world, dp_degree=1, shadow_experts=cache,
+                                    shadow_capacity=args.shadow_capacity)
         hep.parallelize(model, config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         steps = []
@@ -119,7 +119,7 @@ def shadow_bench(args) -> None:
             hep.clip_grad_norm_(model, 1.0)
             optimizer.step()
             optimizer.zero_grad()
-            hep.routing_step(model)  # with the cache: decides the next step's shadows and fetches them
+            hep.after_optimizer_step(model)  # with the cache: decides the next step's shadows and fetches them
             stats = hep.comm_stats(model)
             layers = [v for k, v in stats.items() if k != "gradient_reduction"]
             tokens = sum(v[p]["remote_bytes_sent"] for v in layers

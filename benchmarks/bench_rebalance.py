@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad()
             tables.append({layer.name: [list(r) for r in layer.table.rows] for layer in hep.state_of(model).layers})
-            hep.routing_step(model)
+            hep.after_optimizer_step(model)
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)

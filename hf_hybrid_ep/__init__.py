@@ -27,6 +27,7 @@ from .parallel.grads import clip_grad_norm_, no_sync
 from .parallel.mesh import HybridMesh, build_mesh
 from .parallel.zero import ShardedOptimizer, make_optimizer, shard_optimizer
 from .parallelize import (
+    after_optimizer_step,
     comm_stats,
     full_state_dict,
     parallelize,
@@ -73,6 +74,7 @@ __all__ = [
     "push_to_hub",
     "reset_comm_stats",
     "resize_offload",
+    "after_optimizer_step",
     "routing_step",
     "shard_optimizer",
     "ShardedOptimizer",

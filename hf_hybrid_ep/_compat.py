@@ -25,7 +25,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "hf_hybrid_ep.freeze": ("hf_hybrid_ep.moe.freeze",),
     "hf_hybrid_ep.grads": ("hf_hybrid_ep.parallel.grads",),
     "hf_hybrid_ep.mesh": ("hf_hybrid_ep.parallel.mesh",),
-    "hf_hybrid_ep.nn": ("hf_hybrid_ep.moe.module",),
+    "hf_hybrid_ep.nn": ("hf_hybrid_ep.moe.standalone",),
     "hf_hybrid_ep.placement": ("hf_hybrid_ep.planning.placement",),
     "hf_hybrid_ep.planner": ("hf_hybrid_ep.planning.planner",),
     "hf_hybrid_ep.rebalance": ("hf_hybrid_ep.moe.rebalance",),

@@ -9,7 +9,9 @@ before any process group or tensor is touched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,12 +153,13 @@ class HybridEPConfig:
 
     Hot-expert shadowing (off by default; see ``hf_hybrid_ep/moe/shadow.py`` and docs/expert_cache.md):
 
-        expert_cache: after every optimizer step (``routing_step``), each rank holds local replicas
+        shadow_experts: after every optimizer step (``after_optimizer_step``), each rank holds local replicas
             ("shadows") of the remote experts its own tokens used most in the previous step, when the
             token bytes saved exceed the weight bytes fetched plus gradient bytes returned. Its own
             tokens for those experts are computed locally; gradients go back to the owners before the
             expert gradient reduction, so training stays faithful.
-        expert_cache_capacity: at most this many shadows per rank and MoE layer.
+        shadow_capacity: at most this many shadows per rank and MoE layer.
+        (``expert_cache`` / ``expert_cache_capacity``: the deprecated names of these two.)
 
     Topology and placement statistics:
 
@@ -169,7 +172,7 @@ class HybridEPConfig:
             ``expert_load.jsonl`` as ``coactivation``) for co-activation-aware placement.
 
     Online rebalancing (off by default; :mod:`hf_hybrid_ep.moe.rebalance`, docs/placement.md): after an
-    optimizer step (``routing_step``) experts move between EP ranks, with their optimizer state, to
+    optimizer step (``after_optimizer_step``) experts move between EP ranks, with their optimizer state, to
     per-layer tables fitted to the loads since the last rebalance; training stays faithful.
 
         rebalance_every: rebalance every this many optimizer steps.
@@ -203,8 +206,8 @@ class HybridEPConfig:
     dead_expert_steps: int = 100
     optimizer_sharding: str = "none"
     dense_sharding: str = "replicate"
-    expert_cache: bool = False
-    expert_cache_capacity: int = 1
+    shadow_experts: bool = False
+    shadow_capacity: int = 1
     topology: str | None = None
     coactivation_stats: bool = False
     verify_checksums: bool = True
@@ -220,6 +223,20 @@ class HybridEPConfig:
             self._env_applied = True
         self._check_static()
 
+    def __getattr__(self, name: str) -> Any:  # only for names that are not attributes
+        if name in DEPRECATED_FIELDS:
+            warnings.warn(f"HybridEPConfig.{name} is deprecated; use .{DEPRECATED_FIELDS[name]}", DeprecationWarning,
+                          stacklevel=2)
+            return getattr(self, DEPRECATED_FIELDS[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in DEPRECATED_FIELDS:
+            warnings.warn(f"HybridEPConfig.{name} is deprecated; use .{DEPRECATED_FIELDS[name]}", DeprecationWarning,
+                          stacklevel=2)
+            name = DEPRECATED_FIELDS[name]
+        object.__setattr__(self, name, value)
+
     # ------------------------------------------------------------------ construction
     def _apply_env(self) -> None:
         """Fill every field still at its default from its environment twin."""
@@ -231,6 +248,7 @@ class HybridEPConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridEPConfig:
         """Build from a mapping; unknown keys are an error that names them."""
+        data = rename_deprecated(data, "HybridEPConfig key")
         known = set(config_fields())
         unknown = sorted(set(data) - known)
         if unknown:
@@ -261,9 +279,9 @@ class HybridEPConfig:
         for name in ("device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             _check_number(name, getattr(self, name), positive=False, optional=True)
         _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
-        for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "expert_cache_capacity"):
+        for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "shadow_capacity"):
             _check_int(name, getattr(self, name))
-        for name in ("overlap_grad_reduce", "expert_cache", "coactivation_stats", "verify_checksums"):
+        for name in ("overlap_grad_reduce", "shadow_experts", "coactivation_stats", "verify_checksums"):
             _check_bool(name, getattr(self, name))
         _check_number("bucket_size_mb", self.bucket_size_mb, positive=True, unit=" of MiB")
         _check_choice("optimizer_sharding", self.optimizer_sharding, OPTIMIZER_SHARDINGS)
@@ -425,8 +443,46 @@ def env_values() -> dict[str, Any]:
     """The set environment twins ``HF_HYBRID_EP_<FIELD>`` of the config's fields, parsed and type-checked
     (the one environment parser: :class:`HybridEPConfig` and the Accelerate plugin both read it)."""
     values = {}
-    for name, default in config_fields().items():
+    defaults = config_fields()
+    for old, new in DEPRECATED_FIELDS.items():
+        value = _env_value(old, defaults[new])
+        if value is not None and _env_value(new, defaults[new]) is None:
+            warnings.warn(f"{ENV_PREFIX}{old.upper()} is deprecated; use {ENV_PREFIX}{new.upper()}",
+                          DeprecationWarning, stacklevel=3)
+            values[new] = value
+    for name, default in defaults.items():
         value = _env_value(name, default)
         if value is not None:
             values[name] = value
     return values
+
+
+DEPRECATED_FIELDS = {"expert_cache": "shadow_experts", "expert_cache_capacity": "shadow_capacity"}
+
+
+def rename_deprecated(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with the deprecated field names replaced by their successors (with a
+    ``DeprecationWarning``).
+
+    Raises:
+        HybridEPConfigError: when a field is given under both names.
+    """
+    out = dict(data)
+    for old, new in DEPRECATED_FIELDS.items():
+        if old in out:
+            if new in out:
+                raise HybridEPConfigError(f"{where}s {old!r} and {new!r} name the same setting; give only {new!r}")
+            warnings.warn(f"{where} {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
+            out[new] = out.pop(old)
+    return out
+
+
+_dataclass_init = HybridEPConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_deprecated_names(self: HybridEPConfig, *args: Any, **kwargs: Any) -> None:
+    _dataclass_init(self, *args, **rename_deprecated(kwargs, "HybridEPConfig argument"))
+
+
+HybridEPConfig.__init__ = _init_with_deprecated_names

@@ -1,6 +1,6 @@
 """Expert-load metrics: per-layer statistics, a JSONL log, and plots.
 
-The counters are reduced over the world once per optimizer step (:func:`hf_hybrid_ep.routing_step`),
+The counters are reduced over the world once per optimizer step (:func:`hf_hybrid_ep.after_optimizer_step`),
 so every figure here is the same on every rank and does not depend on the layout (with capacity
 off). Definitions, per layer over the window since the last report:
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -16,7 +17,7 @@ from .dispatch.table import layer_tables
 from .dispatch.torch_backend import CONTROL_INTS
 from .errors import HybridEPConfigError
 from .moe.discovery import check_shardable, find_shared_expert
-from .moe.layer import EPLayerOptions, ExpertParallelLayer, SharedExpertOverlap
+from .moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
 from .moe.rebalance import Rebalancer
 from .moe.routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .moe.shadow import ShadowManager
@@ -72,7 +73,7 @@ def parallelize(
     model: nn.Module,
     config: HybridEPConfig | None = None,
     *,
-    materialize: Callable[[nn.Module, list[ExpertParallelLayer]], None] | None = None,
+    materialize: Callable[[nn.Module, list[ShardedExperts]], None] | None = None,
 ) -> nn.Module:
     """Shard the routed experts of a transformers MoE model over EP groups and return the same model.
 
@@ -103,7 +104,7 @@ def parallelize(
     state = HybridEPState(config, mesh, layers, reducer, agreement=agreement)
     attach(model, state)
     _apply_hooks(model=model, state=state)
-    if config.expert_cache:
+    if config.shadow_experts:
         state.shadows = _apply_shadowing(config=config, layers=layers, mesh=mesh, reducer=reducer)
     if config.rebalancing:
         state.rebalancer = Rebalancer(model)
@@ -143,8 +144,8 @@ def _control_width(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]]
 
 def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
                            tables: list[PlacementTable], mesh: HybridMesh,
-                           ) -> tuple[list[ExpertParallelLayer], InputAgreement]:
-    """Replace every experts module's forward by an :class:`ExpertParallelLayer` holding this rank's
+                           ) -> tuple[list[ShardedExperts], InputAgreement]:
+    """Replace every experts module's forward by an :class:`ShardedExperts` holding this rank's
     experts only; all layers share one cross-rank input agreement."""
     options = EPLayerOptions.from_config(config, _control_width(config=config, found=found, tables=tables,
                                                                 ep=mesh.ep_degree))
@@ -153,7 +154,7 @@ def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: l
     layers = []
     for i, ((name, module), table) in enumerate(zip(found, tables, strict=True)):
         shared = find_shared_expert(model, name) if config.overlap_shared_expert else None
-        layer = ExpertParallelLayer(name, module, table, mesh, options, layer_id=i, layer_names=names,
+        layer = ShardedExperts(name, module, table, mesh, options, layer_id=i, layer_names=names,
                                     agreement=agreement,
                                     shared_overlap=None if shared is None else SharedExpertOverlap(*shared))
         layer.shard_()
@@ -161,14 +162,14 @@ def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: l
     return layers, agreement
 
 
-def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ExpertParallelLayer]) -> None:
+def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts]) -> None:
     """Router temperature, bias updates, device-load factors, load accounting; aux and z losses."""
     install_router_controls(model, layers, config)
     if config.aux_loss_coef or config.z_loss_coef:
         add_aux_losses_hook(model, layers)
 
 
-def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ExpertParallelLayer],
+def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts],
                               mesh: HybridMesh) -> GradientReducer:
     """The reducer: dense gradients over the world, each expert's over the ranks holding it."""
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
@@ -189,10 +190,10 @@ def _apply_hooks(*, model: nn.Module, state: HybridEPState) -> None:
     model.register_state_dict_pre_hook(lambda module, *args, **kwargs: wait_for_parameters(module))
 
 
-def _apply_shadowing(*, config: HybridEPConfig, layers: list[ExpertParallelLayer], mesh: HybridMesh,
+def _apply_shadowing(*, config: HybridEPConfig, layers: list[ShardedExperts], mesh: HybridMesh,
                      reducer: GradientReducer) -> ShadowManager:
     """Hot-expert shadowing: shadows' gradients go home before the expert buckets are reduced."""
-    shadows = ShadowManager(layers, mesh, config.expert_cache_capacity)
+    shadows = ShadowManager(layers, mesh, config.shadow_capacity)
     reducer.pre_reduce_hooks.append(shadows.return_gradients)
     reducer.hold_expert_buckets = shadows.returns_pending
     return shadows
@@ -212,7 +213,7 @@ def _after_forward(model: nn.Module, args, output) -> None:
         state.agreement.agree_now()
 
 
-def _fully_shard_dense(model: nn.Module, layers: list[ExpertParallelLayer], mesh: HybridMesh) -> None:
+def _fully_shard_dense(model: nn.Module, layers: list[ShardedExperts], mesh: HybridMesh) -> None:
     """FSDP2-shard the dense weights over the world: ``fully_shard`` on every decoder layer (the classes
     in the model's ``_no_split_modules``) and on the root, with the expert parameters ignored (the
     engine shards and reduces them)."""
@@ -250,12 +251,12 @@ def _wrap_generate(model: nn.Module) -> None:
     model.generate = generate
 
 
-def routing_step(model: nn.Module, optimizer=None) -> None:
+def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
     """Call once after every optimizer step (the Trainer integration does): reduces the step's expert
     loads over the world, applies aux-loss-free bias updates and device-load estimates, and feeds the
     load metrics; with online rebalancing on (``rebalance_every`` / ``rebalance_when_imbalance_over``),
     moves experts and their state of ``optimizer`` (default: the one :func:`hf_hybrid_ep.make_optimizer`
-    built) when a rebalance is due; with ``expert_cache`` on, decides the next step's shadows from this
+    built) when a rebalance is due; with ``shadow_experts`` on, decides the next step's shadows from this
     step's routing counts and fetches their fresh weights (so call it after ``optimizer.step()``).
     Collective: call on every rank."""
     state = state_of(model)
@@ -269,6 +270,13 @@ def routing_step(model: nn.Module, optimizer=None) -> None:
         state.rebalancer.after_step(state.optimizer_steps, optimizer)
     if state.shadows is not None:
         state.shadows.refresh(counts)
+
+
+def routing_step(model: nn.Module, optimizer=None) -> None:
+    """Deprecated name of :func:`after_optimizer_step` (it does more than routing: shadows, rebalancing)."""
+    warnings.warn("hf_hybrid_ep.routing_step is deprecated; use hf_hybrid_ep.after_optimizer_step",
+                  DeprecationWarning, stacklevel=2)
+    after_optimizer_step(model, optimizer)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

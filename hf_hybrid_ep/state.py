@@ -19,7 +19,7 @@ from .errors import HybridEPConfigError
 if TYPE_CHECKING:
     from .config import HybridEPConfig
     from .inference.offload import OffloadedExperts
-    from .moe.layer import ExpertParallelLayer
+    from .moe.layer import ShardedExperts
     from .moe.rebalance import Rebalancer
     from .moe.shadow import ShadowManager
     from .parallel.agreement import InputAgreement
@@ -36,7 +36,7 @@ class HybridEPState:
 
     config: HybridEPConfig
     mesh: HybridMesh
-    layers: list[ExpertParallelLayer]
+    layers: list[ShardedExperts]
     reducer: GradientReducer
     optimizer_steps: int = 0
     shadows: ShadowManager | None = None  # hot-expert shadowing (config.shadow_experts)

@@ -113,8 +113,8 @@ class HybridEPArguments:
     optimizer_sharding: str | None = field(
         default=None, metadata={"help": "none | zero1 (optimizer state sharded over the data-parallel dims)"}
     )
-    expert_cache: bool | None = field(default=None, metadata={"help": "shadow hot remote experts (see docs/expert_cache.md)"})
-    expert_cache_capacity: int | None = field(default=None, metadata={"help": "max shadows per rank and MoE layer"})
+    shadow_experts: bool | None = field(default=None, metadata={"help": "shadow hot remote experts (see docs/expert_cache.md)"})
+    shadow_capacity: int | None = field(default=None, metadata={"help": "max shadows per rank and MoE layer"})
     freeze_experts: str | None = field(
         default=None, metadata={"help": "comma-separated expert ids or 'least_used:N' to freeze"}
     )
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> None:
         training_args.use_cpu = True
     engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
                     "device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing")
-    engine_flags += ("expert_cache", "expert_cache_capacity")
+    engine_flags += ("shadow_experts", "shadow_capacity")
     engine_flags += ("optimizer_sharding",)
     plugin = HybridEPPlugin.from_sources(
         ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}

@@ -170,7 +170,7 @@ def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1,
 
 
 def shadow_refresh_costs(skew: bool) -> dict:
-    """Collectives of ``routing_step`` with hot-expert shadowing on, after one training step (tiny GPT-OSS,
+    """Collectives of ``after_optimizer_step`` with hot-expert shadowing on, after one training step (tiny GPT-OSS,
     world 4 at (1, 4)): with ``skew`` experts 0 and 2 draw nearly every token and get shadowed."""
     from dist_cases.common import _global_inputs, _rank_slice, _skew_routers
     from tiny_models import build_tiny_model
@@ -183,7 +183,7 @@ def shadow_refresh_costs(skew: bool) -> dict:
     model.train()
     if skew:
         _skew_routers(model, [0, 2], 4.0)
-    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world, expert_cache=True, expert_cache_capacity=1))
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world, shadow_experts=True, shadow_capacity=1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seq = 32 if skew else 4  # few tokens and no skew: no remote expert is worth its weight bytes
     model(**_rank_slice(_global_inputs(model, world, seed=1, seq=seq), rank)).loss.backward()
@@ -191,7 +191,7 @@ def shadow_refresh_costs(skew: bool) -> dict:
     state = hep.state_of(model)
     counter = CollectiveCounter({"ep": state.mesh.ep_group, "edp": state.mesh.edp_group})
     with counter.active():
-        hep.routing_step(model)
+        hep.after_optimizer_step(model)
     held = sum(len(layer.shadows.experts) for layer in state.layers if layer.shadows is not None)
     return {"collectives": {f"{k[0]}@{k[1]}": v for k, v in sorted(counter.counts.items())}, "held": held,
             "params_per_layer": len(state.layers[0].param_names), "layers": len(state.layers)}

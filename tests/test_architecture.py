@@ -161,3 +161,67 @@ def test_old_import_paths_still_work(old):
         public = [n for n in dir(successor) if not n.startswith("_")]
         assert all(getattr(module, n) is getattr(successor, n) for n in public if hasattr(module, n))
         assert any(hasattr(module, n) for n in public)
+
+
+def _logic_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, stripped text)`` of the lines that carry logic, the way pylint's similarity checker
+    counts them with ``--ignore-docstrings --ignore-imports --ignore-signatures --ignore-comments``:
+    no blank lines, comments, docstrings, import statements, ``def`` / ``class`` signatures or decorators."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            skipped.update(range(node.lineno, node.end_lineno + 1))
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            skipped.update(range(node.lineno, node.end_lineno + 1))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])  # decorators are signature
+            body_start = node.body[0].lineno
+            skipped.update(range(first, body_start if body_start > node.lineno else node.lineno + 1))
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        code = line.split("#", 1)[0].strip() if not line.strip().startswith(("'", '"')) else line.strip()
+        if code and number not in skipped:
+            out.append((number, " ".join(code.split())))
+    return out
+
+
+def duplicate_blocks(paths: list[Path], min_lines: int = 8) -> list[list[str]]:
+    """Runs of ``min_lines`` logic lines that occur at two or more places (each place as ``file:line``)."""
+    seen: dict[tuple[str, ...], list[tuple[Path, int]]] = {}
+    for path in paths:
+        lines = _logic_lines(path)
+        for i in range(len(lines) - min_lines + 1):
+            window = tuple(text for _, text in lines[i : i + min_lines])
+            places = seen.setdefault(window, [])
+            if not places or places[-1][0] != path or lines[i][0] - places[-1][1] >= min_lines:
+                places.append((path, lines[i][0]))
+    found, reported = [], set()
+    for places in seen.values():
+        key = tuple(places)
+        if len(places) > 1 and key not in reported:
+            reported.add(key)
+            found.append([f"{p.relative_to(PACKAGE.parent)}:{n}" for p, n in places])
+    return found
+
+
+def test_duplicate_check_finds_a_copied_block(tmp_path):
+    block = "\n".join(f"    total = total * {i} + value[{i}]" for i in range(8))
+    a, b = PACKAGE.parent / "tests" / "_dup_a.py", PACKAGE.parent / "tests" / "_dup_b.py"
+    try:
+        a.write_text(f"def f(value):\n    total = 0\n{block}\n    return total\n")
+        b.write_text(f"def g(value, other):\n    '''another doc'''\n    total = 1  # a comment\n{block}\n    return -total\n")
+        assert len(duplicate_blocks([a, b])) == 1
+    finally:
+        a.unlink(missing_ok=True)
+        b.unlink(missing_ok=True)
+
+
+def test_no_logic_is_written_twice():
+    """No 8 logic lines appear twice in the package, the scripts or the benchmarks (the check of
+    pylint's ``symilar -d 8 -i --ignore-docstrings --ignore-imports --ignore-signatures``, which finds
+    none either but takes ~4 minutes on this tree: docs/architecture.md, "One home per concept")."""
+    root = PACKAGE.parent
+    paths = sorted([*PACKAGE.rglob("*.py"), *(root / "scripts").rglob("*.py"), *(root / "benchmarks").rglob("*.py")])
+    assert not duplicate_blocks(paths)

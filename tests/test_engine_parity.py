@@ -152,7 +152,7 @@ def test_hot_expert_shadowing_is_faithful(pools, layout, capacity):
     # the hot experts it does not own (the cost model's choice), computes its own tokens for them
     # locally and returns the gradients to the owners before the expert reduction.
     dp, ep = layout
-    results = pools(4).run(cases.train_parity, "gpt_oss", dp, ep, 4, expert_cache_capacity=capacity,
+    results = pools(4).run(cases.train_parity, "gpt_oss", dp, ep, 4, shadow_capacity=capacity,
                            skew=([0, 2], 4.0), seq=32)
     parity.assert_faithful(results)
     for rank, r in enumerate(results):

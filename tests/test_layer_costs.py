@@ -51,7 +51,7 @@ def test_pure_dp_layer_makes_no_collective(pools, dispatcher):
 
 
 def test_shadow_refresh_moves_nothing_when_no_rank_chose_a_shadow(pools):
-    # routing_step: the loads' world all-reduce, the shadow-mask all-gather, and per layer and expert
+    # after_optimizer_step: the loads' world all-reduce, the shadow-mask all-gather, and per layer and expert
     # parameter one weight exchange only where some rank of the EP group holds a shadow
     for r in pools(4).run(sync_counting.shadow_refresh_costs, False):
         assert r["held"] == 0 and {k: v for k, v in r["collectives"].items() if "all_to_all" in k} == {}, r

@@ -134,6 +134,6 @@ def test_fsdp_is_refused_where_ddp_wraps_the_model(pools, tmp_path):
 def test_zero1_with_hot_expert_shadowing(pools):
     # Shadow gradients return to their owners in the reducer's pre-reduce hook, before the reduce-scatter.
     results = pools(4).run(cases.train_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1",
-                           expert_cache_capacity=2, skew=([0, 2], 4.0), seq=32)
+                           shadow_capacity=2, skew=([0, 2], 4.0), seq=32)
     parity.assert_faithful(results)
     assert all(sum(s["rows_local"] for s in r["shadow_steps"]) > 0 for r in results), results

@@ -1,4 +1,4 @@
-"""hf_hybrid_ep.moe.module.MoE: a transformers-layout MoE layer for any PyTorch model."""
+"""hf_hybrid_ep.moe.standalone.MoE: a transformers-layout MoE layer for any PyTorch model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.moe.module import MoE, MoEConfig
 from hf_hybrid_ep.moe.routing import match_rule
+from hf_hybrid_ep.moe.standalone import MoE, MoEConfig
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])

@@ -17,7 +17,7 @@ FAULT_CASES = {
     "edp_allreduce_identity": ("mixtral", (2, 2), {}),
     "dense_over_ep_group": ("mixtral", (2, 2), {}),
     "expert_grads_scaled": ("qwen3_moe", (2, 2), {}),
-    "shadow_grads_not_returned": ("gpt_oss", (2, 2), {"expert_cache_capacity": 2, "skew": ([0, 2], 4.0), "seq": 32}),
+    "shadow_grads_not_returned": ("gpt_oss", (2, 2), {"shadow_capacity": 2, "skew": ([0, 2], 4.0), "seq": 32}),
     "routing_weights_twice": ("qwen3_moe", (2, 2), {}),
 }
 

@@ -32,7 +32,7 @@ def test_training_with_rebalances_is_faithful(pools, dp, ep, optimizer_sharding)
         for rank, r in enumerate(results):
             _assert_faithful(r)
             assert [step for step, _ in r["rebalances"]] == [1, 2, 3], (family, rank)
-            tables = r["tables"]  # before each routing_step, and at the end
+            tables = r["tables"]  # before each after_optimizer_step, and at the end
             assert tables[1] != tables[0], (family, tables)  # the first rebalance changed the placement
             assert any(sent > 0 for _, sent in r["rebalances"]), (family, rank)  # experts moved
 

@@ -85,7 +85,7 @@ def test_force_balanced_routing_spreads_assignments_evenly():
     model = _model()
     hep.parallelize(model, hep.HybridEPConfig(force_balanced_routing=True))
     model(input_ids=_ids(batch=2, seq=8), labels=_ids(batch=2, seq=8)).loss.backward()
-    hep.routing_step(model)
+    hep.after_optimizer_step(model)
     for layer in load_report(model).values():
         assert layer["tokens_per_expert"] == [8, 8, 8, 8]  # 16 tokens × top-2 over 4 experts
 
@@ -107,7 +107,7 @@ def test_capacity_in_the_engine_counts_and_passes_dropped_tokens_through():
     hep.parallelize(model, hep.HybridEPConfig(capacity_factor=0.5))
     ids = _ids()
     out = model(input_ids=ids).logits
-    hep.routing_step(model)
+    hep.after_optimizer_step(model)
     report = load_report(model)
     for layer in report.values():
         assert 0 < layer["dropped_fraction"] <= 0.5
@@ -140,7 +140,7 @@ def test_gradient_checkpointing_does_not_count_twice():
     for model in (plain, ckpt):
         hep.parallelize(model)
         model(input_ids=_ids(), labels=_ids()).loss.backward()
-        hep.routing_step(model)
+        hep.after_optimizer_step(model)
         counts.append([r["tokens_per_expert"] for r in load_report(model).values()])
     assert counts[0] == counts[1]
 
@@ -159,7 +159,7 @@ def imbalance_over_steps(model, steps: int = 50) -> list[float]:
     for step in range(steps):
         with torch.no_grad():
             model(input_ids=_ids(seed=step, batch=8, seq=16))
-        hep.routing_step(model)
+        hep.after_optimizer_step(model)
         history.append(max(r["imbalance_expert"] for r in load_report(model).values()))
     return history
 
@@ -178,7 +178,7 @@ def test_native_correction_bias_is_updated_and_saved(tmp_path):
     router = _routers(model)[0]
     before = router.e_score_correction_bias.clone()
     model(input_ids=_ids())
-    hep.routing_step(model)
+    hep.after_optimizer_step(model)
     assert not torch.equal(before, router.e_score_correction_bias)
     assert "e_score_correction_bias" in " ".join(model.state_dict())
 
@@ -225,7 +225,7 @@ def test_least_used_experts_are_chosen_when_freezing_starts():
     freezer = hep.ExpertFreezer(model, opt, "least_used:1", from_step=1)
     for step in range(2):
         model(input_ids=_ids(step), labels=_ids(step)).loss.backward()
-        hep.routing_step(model)
+        hep.after_optimizer_step(model)
         opt.step()
     layer = hep.state_of(model).layers[0]
     assert freezer.frozen[layer.name] == [int(torch.argmin(layer.routing.total))]
@@ -250,7 +250,7 @@ def test_coactivation_counts_every_pair_chosen_by_one_token():
     with torch.no_grad():
         model(input_ids=ids)
         outs = _router_outputs(reference, ids)
-    hep.routing_step(model)
+    hep.after_optimizer_step(model)
     report = load_report(model)
     for (_, _, index), layer in zip(outs, report.values(), strict=True):
         want = [[0] * 4 for _ in range(4)]
@@ -269,5 +269,5 @@ def test_coactivation_is_off_by_default():
     model = _model()
     hep.parallelize(model)
     model(input_ids=_ids())
-    hep.routing_step(model)
+    hep.after_optimizer_step(model)
     assert all("coactivation" not in layer for layer in load_report(model).values())

@@ -110,7 +110,7 @@ def test_triton_dispatcher_with_hot_expert_shadows(pools):
     # Shadow rows skip the Triton regroup (they run on the module's own experts implementation) and join
     # the returned rows before the fused unpermute-combine.
     results = pools(2).run(cases.train_parity, "gpt_oss", 1, 2, 4, dispatcher="triton", steps=2, expert_alignment=8,
-                           expert_cache_capacity=1, skew=([0, 2], 4.0), seq=32)
+                           shadow_capacity=1, skew=([0, 2], 4.0), seq=32)
     for r in results:
         assert r["max_loss_rel"] <= cases.REL_TOL and r["max_grad_rel_step0"] <= cases.REL_TOL, r
         assert r["violations"] == [], r

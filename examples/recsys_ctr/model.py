@@ -12,7 +12,7 @@ import torch
 from data import CONTEXT_VALUES, N_CATEGORIES, N_CONTEXT, N_DOMAINS, N_GROUPS
 from torch import nn
 
-from hf_hybrid_ep.moe.module import MoE, MoEConfig
+from hf_hybrid_ep.moe.standalone import MoE, MoEConfig
 
 EMBED, HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 8, 32, 32, 128, 2
 FIELDS = 4 + N_CONTEXT

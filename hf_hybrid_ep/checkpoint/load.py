@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import HybridEPConfig
 from ..errors import CheckpointError
-from ..moe.layer import ExpertParallelLayer
+from ..moe.layer import ShardedExperts
 from ..state import state_of
 from .atomic import open_checkpoint
 from .convert import hub_metadata
@@ -60,7 +60,7 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
 
 
-def plan_rank_local(model: nn.Module, layers: list[ExpertParallelLayer], weight_map: dict[str, str]) -> dict[str, _Target]:
+def plan_rank_local(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, _Target]:
     """Map every model tensor this rank needs to the checkpoint keys it is made of."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
@@ -150,7 +150,7 @@ def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> 
 def load_rank_local_(
     root: Path,
     model: nn.Module,
-    layers: list[ExpertParallelLayer],
+    layers: list[ShardedExperts],
     dtype: torch.dtype | None = None,
     fetch: Callable[[str], Path] | None = None,
     verifier: CheckpointVerifier | None = None,

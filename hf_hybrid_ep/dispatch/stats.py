@@ -30,7 +30,7 @@ class PhaseCounters:
 
 @dataclass
 class ShadowCounters:
-    """What hot-expert shadowing (``HybridEPConfig.expert_cache``) kept off and put on the network.
+    """What hot-expert shadowing (``HybridEPConfig.shadow_experts``) kept off and put on the network.
 
     ``rows_local``: routed (token, k) rows of this rank computed on a local shadow instead of crossing to
     the owner; ``token_bytes_avoided``: their bytes in every exchange they skipped (dispatch and combine,

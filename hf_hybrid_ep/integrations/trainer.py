@@ -42,7 +42,7 @@ from ..parallel.amp import agree_found_inf_
 from ..parallel.consistency import verify_replicas
 from ..parallel.grads import clip_grad_norm_
 from ..parallel.zero import reshard_optimizer
-from ..parallelize import routing_step
+from ..parallelize import after_optimizer_step
 from ..state import state_of
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
@@ -85,7 +85,7 @@ class _HybridEPCallback(TrainerCallback):
         self.trainer._agree_overflow()
 
     def on_step_end(self, args, state, control, **kwargs):
-        routing_step(self.trainer.hybrid_model, self.trainer.optimizer)
+        after_optimizer_step(self.trainer.hybrid_model, self.trainer.optimizer)
         if self.verify_sync_steps and state.global_step % self.verify_sync_steps == 0:
             verify_replicas(self.trainer.hybrid_model)
 

@@ -1,6 +1,6 @@
 """The expert-parallel layer: one fused experts module's forward as dispatch → local experts → combine.
 
-The module keeps only this rank's experts (:meth:`ExpertParallelLayer.shard_`); its forward routes
+The module keeps only this rank's experts (:meth:`ShardedExperts.shard_`); its forward routes
 each (token, expert) pair to the rank holding the expert through a dispatcher
 (:mod:`hf_hybrid_ep.dispatch`), runs transformers' own experts forward on the received rows, and
 combines the returned rows with the routing weights. See docs/architecture.md, "A token's path".
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EPLayerOptions:
-    """How an :class:`ExpertParallelLayer` runs (from :class:`~hf_hybrid_ep.HybridEPConfig`).
+    """How an :class:`ShardedExperts` runs (from :class:`~hf_hybrid_ep.HybridEPConfig`).
 
     Attributes:
         dispatcher: backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"hierarchical"``).
@@ -52,8 +52,9 @@ class EPLayerOptions:
                    config.capacity_factor, config.drop_policy, config.overlap_degree)
 
 
-class ExpertParallelLayer:
-    """The EP replacement of one fused experts module's forward.
+class ShardedExperts:
+    """The experts of one fused experts module, sharded over its EP group: the replacement of its forward
+    (not an ``nn.Module``: it owns no parameters of its own; the module keeps this rank's experts).
 
     Keeps this rank's experts as plain parameters (local slots in placement-table order) and runs
     ``forward(hidden [T,H], top_k_index [T,k], top_k_weights [T,k]) -> [T,H]`` as:
@@ -256,6 +257,9 @@ class ExpertParallelLayer:
         for (a, b), handle, (back, exchange, shadow_out) in zip(spans, handles, returns, strict=True):
             outputs.append(self.dispatcher.finish_combine(exchange.wait(back), weights[a:b], handle, shadow_out))
         return torch.cat(outputs).to(hidden.dtype)
+
+
+ExpertParallelLayer = ShardedExperts  # its name before 0.2 (a transformers class has that name too)
 
 
 class SharedExpertOverlap:

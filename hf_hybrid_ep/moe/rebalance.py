@@ -1,10 +1,10 @@
 """Online rebalancing: move experts between EP ranks during training, at an optimizer-step boundary.
 
 ``HybridEPConfig(rebalance_every=N)`` and/or ``rebalance_when_imbalance_over=x`` turn it on;
-:func:`hf_hybrid_ep.routing_step` (after ``optimizer.step()``) calls :meth:`Rebalancer.after_step`.
+:func:`hf_hybrid_ep.after_optimizer_step` (after ``optimizer.step()``) calls :meth:`Rebalancer.after_step`.
 
 Decision. The loads (and co-activation counts, with ``coactivation_stats``) of every layer are the
-world totals that ``routing_step`` all-reduces once per step, summed since the last rebalance, so every
+world totals that ``after_optimizer_step`` all-reduces once per step, summed since the last rebalance, so every
 rank holds the same numbers. A rebalance runs every ``N`` steps, or when the worst layer's rank
 imbalance (max/mean of the expected tokens per EP rank under its current table, the window's loads)
 exceeds ``x``. The new tables come from :func:`hf_hybrid_ep.planning.placement.fit_placement` per layer
@@ -82,11 +82,11 @@ class Rebalancer:
         self.window_steps = 0
         self.events: list[RebalanceEvent] = []
         self.reported = 0  # events already in a load report
-        self.optimizer = None  # registered by make_optimizer, or given to routing_step
+        self.optimizer = None  # registered by make_optimizer, or given to after_optimizer_step
 
     # ------------------------------------------------------------------ decision
     def record(self, layer_name: str, totals: torch.Tensor) -> None:
-        """Add one step's all-reduced counters of a layer (``routing_step`` calls this)."""
+        """Add one step's all-reduced counters of a layer (``after_optimizer_step`` calls this)."""
         if layer_name in self.window:
             self.window[layer_name] += totals
         else:

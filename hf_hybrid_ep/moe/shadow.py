@@ -1,6 +1,6 @@
-"""Hot-expert shadowing in training (``HybridEPConfig.expert_cache``).
+"""Hot-expert shadowing in training (``HybridEPConfig.shadow_experts``).
 
-After every optimizer step (:func:`hf_hybrid_ep.routing_step`) each rank decides, per MoE layer, which
+After every optimizer step (:func:`hf_hybrid_ep.after_optimizer_step`) each rank decides, per MoE layer, which
 *remote* experts to hold as local replicas ("shadows") for the next step, then the owners send the
 fresh weights. A shadow serves only its holder's own tokens: the dispatcher keeps those (token, k) pairs
 on the holder (they never cross ranks), every other rank's tokens still go to the owner. At the end of
@@ -8,13 +8,13 @@ the step's gradient-reduced backward, before the expert gradient reduction, each
 shadows' gradients to their owners (a pre-reduce hook of :class:`hf_hybrid_ep.parallel.grads.GradientReducer`),
 which add them to their own: the owner's gradient is then exactly the sum the unshadowed run forms, and
 the EDP reduction, clipping and the optimizer see the same numbers. Shadows expire at that point; the
-next :func:`routing_step` (after ``optimizer.step()``) decides and fetches again.
+next :func:`after_optimizer_step` (after ``optimizer.step()``) decides and fetches again.
 
 Predictor and cost model, per rank, layer and remote expert ``e``: ``n_e`` = this rank's (token, k)
 pairs routed to ``e`` during the *previous* optimizer step (all its micro-batches, from the routing
 counters). Shadowing ``e`` avoids ``n_e · row_bytes · c`` token bytes (``c`` = 4 exchanges per row in
 training: dispatch, combine and their backward passes) and costs ``expert_bytes`` of weights fetched
-plus ``expert_bytes`` of gradients returned. The ``expert_cache_capacity`` experts with the largest
+plus ``expert_bytes`` of gradients returned. The ``shadow_capacity`` experts with the largest
 positive net saving are shadowed. Every rank's choice is all-gathered over its EP group (a
 ``[layers, E]`` mask), so owners know whom to send weights to and from whom to expect gradients.
 
@@ -94,7 +94,7 @@ class ShadowManager:
             dtypes = sorted({str(p.dtype) for p in layer.expert_parameters()})
             if len(dtypes) > 1:
                 raise HybridEPConfigError(
-                    f"expert_cache: the expert parameters of {layer.name} mix dtypes {dtypes}; shadows move "
+                    f"shadow_experts: the expert parameters of {layer.name} mix dtypes {dtypes}; shadows move "
                     "one flat buffer per layer, so load the experts in one dtype"
                 )
         for i, layer in enumerate(layers):
@@ -143,7 +143,7 @@ class ShadowManager:
     def refresh(self, counts: list[list[float]] | None = None) -> None:
         """Decide this step's shadows on every rank, agree over the EP group and start fetching the weights.
 
-        Call after ``optimizer.step()`` (``routing_step`` does), before the routing counters are reset, or
+        Call after ``optimizer.step()`` (``after_optimizer_step`` does), before the routing counters are reset, or
         with ``counts`` (:meth:`step_counts`, read before they were).
         Collective over the world (each EP group exchanges within itself); the weight exchanges complete
         asynchronously, before the layer's next forward uses them.

@@ -39,7 +39,7 @@ from .buckets import FlatBucket, bucket_of, runs
 from .mesh import HybridMesh, current_device, is_dtensor, reduce_scatter_flat
 
 if TYPE_CHECKING:
-    from ..moe.layer import ExpertParallelLayer
+    from ..moe.layer import ShardedExperts
 
 
 @dataclass
@@ -460,7 +460,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return total
 
 
-def expert_homes(layers: list[ExpertParallelLayer], mesh: HybridMesh) -> tuple[
+def expert_homes(layers: list[ShardedExperts], mesh: HybridMesh) -> tuple[
     dict[int, list[ExpertHome]], list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
 ]:
     """Group expert-slot gradients by the exact set of world ranks holding them.

@@ -27,7 +27,8 @@ _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 @dataclass(frozen=True)
 class HybridMesh:
-    """A validated DP×EP layout of the world and its process groups.
+    """A validated DP×EP layout of the world and its process groups: mesh axes ``edp`` (expert data
+    parallel: ranks with the same experts) × ``ep`` (one EP group).
 
     ``device_mesh`` and the groups are ``None`` for a world of one process with no process group.
     """
@@ -53,8 +54,14 @@ class HybridMesh:
         return self.rank % self.ep_degree
 
     @property
-    def dp_rank(self) -> int:
+    def edp_rank(self) -> int:
+        """This rank's index in its expert-data-parallel (EDP) group: the ranks holding the same experts."""
         return self.rank // self.ep_degree
+
+    @property
+    def dp_rank(self) -> int:
+        """Same as :attr:`edp_rank` (the data-parallel index of the layout ``dp × ep``)."""
+        return self.edp_rank
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -62,7 +69,7 @@ class HybridMesh:
 
     @property
     def edp_group(self) -> dist.ProcessGroup | None:
-        return None if self.device_mesh is None else self.device_mesh.get_group("dp")
+        return None if self.device_mesh is None else self.device_mesh.get_group("edp")
 
     @property
     def world_group(self) -> dist.ProcessGroup | None:
@@ -109,7 +116,8 @@ def world_size(*, launched: bool = False) -> int:
 
 def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
                topology: Topology | str | None = None) -> HybridMesh:
-    """Build (or reuse) the ``("dp", "ep")`` mesh for the current world.
+    """Build (or reuse) the ``("edp", "ep")`` mesh for the current world (``edp``: the ranks holding the
+    same experts, ``dp_degree`` of them; ``ep``: one EP group).
 
     Raises:
         ValueError: if ``dp_degree * ep_degree`` differs from the world size.
@@ -129,7 +137,7 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
         return HybridMesh(1, 1, 0, device_type, None, topo, layout)
     key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo)  # a new world gets new groups
     if key not in _MESH_CACHE:
-        mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("dp", "ep"))
+        mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("edp", "ep"))
         reduction = dist.new_group(list(range(world)))
         _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, layout, reduction)
     return _MESH_CACHE[key]

@@ -63,10 +63,10 @@ def trainer_eval(dp: int, ep: int, output_dir: str, num: int, hybrid: bool = Tru
     return {"eval_loss": trainer.evaluate()["eval_loss"]}
 
 
-def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4, rebalance: bool = False,
+def trainer_shadow_run(output_dir: str, shadow_experts: bool, max_steps: int = 4, rebalance: bool = False,
                        hot: tuple[int, int] = (0, 2)) -> dict:
     """The stock Trainer on a skewed GPT-OSS (experts ``hot`` draw nearly every token), with hot-expert
-    shadowing off or on: the Trainer's step-end callback (routing_step) must refresh the shadows (and, with
+    shadowing off or on: the Trainer's step-end callback (after_optimizer_step) must refresh the shadows (and, with
     ``rebalance``, move experts after every step, before the shadows are decided)."""
     import trainer_cases as tc
     from datasets import Dataset
@@ -78,7 +78,7 @@ def trainer_shadow_run(output_dir: str, expert_cache: bool, max_steps: int = 4, 
     model.train()
     _skew_routers(model, list(hot), 4.0)
     world = dist.get_world_size()
-    config = hep.HybridEPConfig(dp_degree=1, ep_degree=world, expert_cache=expert_cache, expert_cache_capacity=1,
+    config = hep.HybridEPConfig(dp_degree=1, ep_degree=world, shadow_experts=shadow_experts, shadow_capacity=1,
                                 rebalance_every=1 if rebalance else None)
     hep.parallelize(model, config)
     g = torch.Generator().manual_seed(1234)

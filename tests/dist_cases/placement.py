@@ -92,7 +92,7 @@ def rebalance_then_save(directory: str) -> dict:
         model(**_rank_slice(batch, rank)).loss.backward()
         opt.step()
         opt.zero_grad()
-        hep.routing_step(model)
+        hep.after_optimizer_step(model)
     save_hybrid_checkpoint(model, directory)
     trained = hep.full_state_dict(model)
     loaded = hep.from_pretrained(directory, hep.HybridEPConfig(dp_degree=world, ep_degree=1))
@@ -116,7 +116,7 @@ def routing_metrics(dp: int, ep: int, steps: int = 3, **controls: Any) -> dict:
     for step in range(steps):
         with torch.no_grad():
             model(**{k: v for k, v in _rank_slice(_global_inputs(ref, world, seed=step), rank).items() if k != "labels"})
-        hep.routing_step(model)
+        hep.after_optimizer_step(model)
         report = load_report(model)
         first = next(iter(report.values()))
         shares.append(first["tokens_per_rank"][0] / max(1, sum(first["tokens_per_rank"])))

@@ -51,7 +51,7 @@ def train_parity(
     expert_alignment: int = 1,
     optimizer_sharding: str = "none",
     dense_sharding: str = "replicate",
-    expert_cache_capacity: int | None = None,
+    shadow_capacity: int | None = None,
     skew: tuple[list[int], float] | None = None,
     seq: int = SEQ,
     load_from: str | None = None,
@@ -67,13 +67,13 @@ def train_parity(
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
     The reference trains the unsharded model on the global batch in fp32; the checks and the measured
-    bound of zero-initialised tensors are :mod:`parity`'s. ``expert_cache_capacity`` turns hot-expert
-    shadowing on (``routing_step`` after every optimizer step); ``skew = (hot experts, bias)`` raises
+    bound of zero-initialised tensors are :mod:`parity`'s. ``shadow_capacity`` turns hot-expert
+    shadowing on (``after_optimizer_step`` after every optimizer step); ``skew = (hot experts, bias)`` raises
     those experts' router bias in both models. With ``load_from``, the hybrid model is loaded
     rank-locally from that checkpoint of the same weights (``hf_hybrid_ep.from_pretrained``; its
     placement is the one stored in the index). ``fault`` injects one of :data:`faults.FAULTS` into the
     hybrid run (undone when the case returns), to show that the criterion catches it. With
-    ``rebalance_every``, experts move online (``routing_step`` after every optimizer step); the tables
+    ``rebalance_every``, experts move online (``after_optimizer_step`` after every optimizer step); the tables
     before and after each rebalance are returned.
     """
     import faults
@@ -88,8 +88,8 @@ def train_parity(
     if dispatcher == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the CPU interpreter; read when the kernels are imported
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous", dispatcher=dispatcher,
-                                expert_alignment=expert_alignment, expert_cache=expert_cache_capacity is not None,
-                                expert_cache_capacity=expert_cache_capacity or 1, optimizer_sharding=optimizer_sharding,
+                                expert_alignment=expert_alignment, shadow_experts=shadow_capacity is not None,
+                                shadow_capacity=shadow_capacity or 1, optimizer_sharding=optimizer_sharding,
                                 dense_sharding=dense_sharding, bucket_size_mb=bucket_size_mb,
                                 overlap_grad_reduce=overlap_grad_reduce, rebalance_every=rebalance_every,
                                 rebalance_replicas=rebalance_replicas, rebalance_when_imbalance_over=rebalance_over,
@@ -100,7 +100,7 @@ def train_parity(
     opt, ref_opt, ref_optimizer = _optimizers(model, ref, lr)
     batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
                for step in range(steps)]
-    shadowing = expert_cache_capacity is not None
+    shadowing = shadow_capacity is not None
     routing = shadowing or rebalance_every is not None or rebalance_over is not None
     with faults.injected(fault, model):
         run = _train_steps(model, ref, (opt, ref_opt), batches, accum, max_norm, shadowing, routing)
@@ -154,7 +154,7 @@ def _train_steps(model: torch.nn.Module, ref: torch.nn.Module,
                  optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer], batches: list[list[dict]],
                  accum: int, max_norm: float, shadowing: bool, routing: bool) -> _TrainingRun:
     """One optimizer step of both models per entry of ``batches`` (accumulated, clipped); with ``shadowing``
-    the step's shadow counters, with ``routing`` the tables before each ``routing_step``."""
+    the step's shadow counters, with ``routing`` the tables before each ``after_optimizer_step``."""
     ref_grads = dict(ref.named_parameters())
     run = _TrainingRun()
     for step in range(len(batches)):
@@ -174,7 +174,7 @@ def _train_steps(model: torch.nn.Module, ref: torch.nn.Module,
             hep.reset_comm_stats(model)
         if routing:
             run.tables.append(_tables(model))
-            hep.routing_step(model)
+            hep.after_optimizer_step(model)
     return run
 
 
@@ -204,7 +204,7 @@ def _parity_report(model: torch.nn.Module, ref: torch.nn.Module, run: _TrainingR
     reducer = hep.state_of(model).reducer
     rebalancer = hep.state_of(model).rebalancer
     return {
-        "tables": [*run.tables, _tables(model)],  # before each routing_step, and at the end
+        "tables": [*run.tables, _tables(model)],  # before each after_optimizer_step, and at the end
         "rebalances": [] if rebalancer is None else [(e.step, e.bytes_sent) for e in rebalancer.events],
         "shadow_steps": run.shadow_steps,
         "buckets": [(b.kind, b.size, b.numel) for b in reducer.active_buckets()],
