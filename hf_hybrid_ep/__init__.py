@@ -7,7 +7,7 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 from . import _compat
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
-from .config import HybridEPConfig
+from .config import HybridEPConfig, ParallelDims
 from .dispatch import PlacementTable, register_experts_implementation
 from .errors import HybridEPConfigError
 from .hub import push_to_hub
@@ -62,6 +62,7 @@ __all__ = [
     "HybridEPConfig",
     "HybridEPConfigError",
     "HybridMesh",
+    "ParallelDims",
     "is_fused_experts",
     "make_optimizer",
     "memory_report",

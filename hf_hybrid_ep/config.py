@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import HybridEPConfigError
 from .parallel.topology import Topology, ranks_per_node
@@ -75,6 +75,41 @@ def _env_value(name: str, default: Any) -> Any:
     if name in ("dp_degree", "ep_degree") and not isinstance(value, int):
         raise HybridEPConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer")
     return value
+
+
+class ParallelDims(NamedTuple):
+    """A validated ``dp × ep`` layout of the world, as :meth:`HybridEPConfig.resolve` returns it (the
+    shape of torchtitan's ``ParallelDims``). A tuple, so ``dp, ep = config.resolve(...)`` unpacks it.
+
+    Attributes:
+        dp: expert-data-parallel degree: ranks holding the same experts (dense weights are replicated
+            over all ``dp · ep`` ranks).
+        ep: expert-parallel degree: ranks one MoE layer's experts are sharded over.
+    """
+
+    dp: int
+    ep: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.ep
+
+    @property
+    def edp(self) -> int:
+        """Ranks in one EDP group (the mesh axis ``edp``), the same as ``dp``."""
+        return self.dp
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        """Routed experts each rank holds under a contiguous placement of ``num_experts``."""
+        return num_experts // self.ep
 
 
 @dataclass
@@ -333,8 +368,9 @@ class HybridEPConfig:
             or self.force_balanced_routing
         )
 
-    def resolve(self, world_size: int, num_experts: int, local_world_size: int | None = None) -> tuple[int, int]:
-        """Return ``(dp_degree, ep_degree)`` for this world and expert count, or raise naming the values.
+    def resolve(self, world_size: int, num_experts: int, local_world_size: int | None = None) -> ParallelDims:
+        """The validated layout (``(dp_degree, ep_degree)`` as a :class:`ParallelDims`) for this world and
+        expert count, or raise naming the values.
 
         Args:
             world_size: number of ranks ``W``.
@@ -377,7 +413,7 @@ class HybridEPConfig:
                 f"num_experts={num_experts} is not divisible by ep_degree={ep} under placement="
                 f"{self.placement!r}; pick an ep_degree that divides {num_experts} or give an explicit table"
             )
-        return dp, ep
+        return ParallelDims(dp, ep)
 
 
 def _check_rows(rows: object, what: str) -> None:

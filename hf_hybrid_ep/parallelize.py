@@ -1,4 +1,9 @@
-"""``parallelize(model, config)``: turn a transformers MoE model into its hybrid-EP form, in place."""
+"""``parallelize(model, config)``: turn a transformers MoE model into its hybrid-EP form, in place.
+
+The only module that knows the whole training engine: each ``_apply_*`` step wires one part (layout,
+expert sharding, router controls, gradient reduction, hooks, shadowing). docs/architecture.md has the
+layers and a token's path through them.
+"""
 
 from __future__ import annotations
 

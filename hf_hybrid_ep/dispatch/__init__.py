@@ -2,7 +2,7 @@
 
 A backend is selected by name (``"torch"``, ``"triton"``, ``"hierarchical"``) or by ``"auto"`` (the best
 one for the device and the EP group's place in the topology). A requested backend that is missing is an
-error, never a silent fallback.
+error, never a silent fallback. Adding a backend: docs/architecture.md, "Where to add …".
 """
 
 from __future__ import annotations

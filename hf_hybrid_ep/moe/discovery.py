@@ -3,7 +3,8 @@
 A fused experts module is recognised structurally: transformers' ``use_experts_implementation``
 decorator gives every instance the layout flags ``has_gate``, ``has_bias``, ``is_transposed``,
 ``is_concatenated``, ``has_post_expert_norm`` and ``_is_expert_parallel``, and the module holds 3-D
-parameters whose leading dimension is ``num_experts``. No class names are listed anywhere.
+parameters whose leading dimension is ``num_experts``. No class names are listed anywhere, so a new
+model family usually needs nothing here (docs/architecture.md, "Where to add …").
 """
 
 from __future__ import annotations

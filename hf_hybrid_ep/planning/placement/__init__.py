@@ -44,6 +44,9 @@ partitioning of the co-activation graph. Placement algorithms:
 * :func:`eplb_placement` — the EPLB baseline (deepseek-ai/EPLB's published policy, re-implemented
   from its description): expert groups packed onto nodes, replicas added inside each node to the
   expert with the largest per-copy load, copies packed onto the node's GPUs.
+
+Modules: :mod:`.stats` (statistics), :mod:`.packing` (2a), :mod:`.coactivation` (2b), :mod:`.eplb`,
+:mod:`.traffic` (the model above). A new policy: docs/architecture.md, "Where to add …".
 """
 
 from __future__ import annotations
