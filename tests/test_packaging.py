@@ -2,6 +2,7 @@
 code reads at run time (the model-card template for Hub pushes, the known configs of the planner) and
 nothing of the repository around it (tests, benchmarks, scripts)."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,8 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_carries_the_package_data_and_no_tests(tmp_path):
+    # build from a copy of what the wheel is made of: a build/ left in the checkout by an earlier build would
+    # otherwise add its stale modules to the wheel (setuptools copies into build/lib and packs all of it)
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "hf_hybrid_ep", source / "hf_hybrid_ep", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True, cwd=tmp_path,
     )
     (wheel,) = tmp_path.glob("hf_hybrid_ep-*.whl")
@@ -21,8 +28,8 @@ def test_wheel_carries_the_package_data_and_no_tests(tmp_path):
     assert any(n.startswith("hf_hybrid_ep/known_configs/") and n.endswith(".json") for n in names)
     for sub in ("parallel", "moe", "dispatch", "checkpoint", "planning", "inference", "integrations"):
         assert f"hf_hybrid_ep/{sub}/__init__.py" in names, sub
-    top = {n.split("/")[1] for n in names if n.startswith("hf_hybrid_ep/") and n.count("/") == 1}
-    assert top == {p.name for p in (ROOT / "hf_hybrid_ep").glob("*.py")}  # nothing stale from an old build/
+    modules = {n for n in names if n.startswith("hf_hybrid_ep/") and n.endswith(".py")}
+    assert modules == {p.relative_to(ROOT).as_posix() for p in (ROOT / "hf_hybrid_ep").rglob("*.py")}
     strays = [n for n in names if n.split("/")[0] in ("tests", "benchmarks", "scripts", "examples", "docs")]
     assert not strays, strays
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
