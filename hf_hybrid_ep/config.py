@@ -275,10 +275,11 @@ class HybridEPConfig:
     # ------------------------------------------------------------------ construction
     def _apply_env(self) -> None:
         """Fill every field still at its default from its environment twin."""
-        defaults = config_fields()
-        for name, value in env_values().items():
-            if getattr(self, name) == defaults[name]:
-                setattr(self, name, value)
+        for name, default in config_fields().items():
+            if getattr(self, name) == default:
+                value = _env_twin(name, default)
+                if value is not None:
+                    setattr(self, name, value)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridEPConfig:
@@ -479,18 +480,23 @@ def env_values() -> dict[str, Any]:
     """The set environment twins ``HF_HYBRID_EP_<FIELD>`` of the config's fields, parsed and type-checked
     (the one environment parser: :class:`HybridEPConfig` and the Accelerate plugin both read it)."""
     values = {}
-    defaults = config_fields()
-    for old, new in DEPRECATED_FIELDS.items():
-        value = _env_value(old, defaults[new])
-        if value is not None and _env_value(new, defaults[new]) is None:
-            warnings.warn(f"{ENV_PREFIX}{old.upper()} is deprecated; use {ENV_PREFIX}{new.upper()}",
-                          DeprecationWarning, stacklevel=3)
-            values[new] = value
-    for name, default in defaults.items():
-        value = _env_value(name, default)
+    for name, default in config_fields().items():
+        value = _env_twin(name, default)
         if value is not None:
             values[name] = value
     return values
+
+
+def _env_twin(name: str, default: Any) -> Any:
+    """:func:`_env_value` of field ``name``, else of its deprecated name's twin (with a warning)."""
+    value = _env_value(name, default)
+    old = next((o for o, n in DEPRECATED_FIELDS.items() if n == name), None)
+    if value is None and old is not None:
+        value = _env_value(old, default)
+        if value is not None:
+            warnings.warn(f"{ENV_PREFIX}{old.upper()} is deprecated; use {ENV_PREFIX}{name.upper()}",
+                          DeprecationWarning, stacklevel=4)
+    return value
 
 
 DEPRECATED_FIELDS = {"expert_cache": "shadow_experts", "expert_cache_capacity": "shadow_capacity"}

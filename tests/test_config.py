@@ -78,6 +78,7 @@ def test_env_twins(monkeypatch):
     monkeypatch.setenv("HF_HYBRID_EP_DP_DEGREE", "two")
     with pytest.raises(HybridEPConfigError, match="HF_HYBRID_EP_DP_DEGREE='two' is not an integer"):
         HybridEPConfig()
+    assert HybridEPConfig(dp_degree=2).dp_degree == 2  # a twin is read only for a field left at its default
 
 
 def test_shadow_env_twins(monkeypatch):
