@@ -121,7 +121,7 @@ def shadow_bench(args) -> None:
             optimizer.zero_grad()
             hep.after_optimizer_step(model)  # with the cache: decides the next step's shadows and fetches them
             stats = hep.comm_stats(model)
-            layers = [v for k, v in stats.items() if k != "gradient_reduction"]
+            layers = hep.layer_counters(stats)
             tokens = sum(v[p]["remote_bytes_sent"] for v in layers
                          for p in ("dispatch", "combine", "dispatch_backward", "combine_backward"))
             shadow = [sum(v["shadow"][k] for v in layers) for k in

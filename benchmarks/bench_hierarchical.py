@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -83,8 +81,9 @@ def fit_coactivation(traces: list[dict[str, np.ndarray]], num_experts: int) -> d
 
 def summarize(run: dict) -> dict:
     """The figures of one two-node run that the comparison needs."""
+    from hf_hybrid_ep.dispatch.stats import INTER_PHASES as inter
+
     phases = run["phases_per_step_all_ranks"]
-    inter = ("dispatch_inter", "combine_inter", "dispatch_inter_backward", "combine_inter_backward")
     hierarchical = run["config"]["dispatcher"] == "hierarchical"
     predicted_rows = run["routing"]["predicted_cross_node_rows_per_step"]
     out = {
@@ -119,15 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     bt.clean_start()
-    work = Path(tempfile.mkdtemp(prefix=bt.PREFIX))
     report: dict = {"model": dataclasses.asdict(WIDE), "topology": TOPOLOGY, "machine": bt.machine_info(),
                     "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
-    try:
-        data, init, trained = work / "data.npz", str(work / "init"), str(work / "trained")
+    with bt.scratch_checkpoint(WIDE) as (workdir, init):
+        work = Path(workdir)
+        data, trained = work / "data.npz", str(work / "trained")
         _corpus(data, 64)
-        bt.save_checkpoint(WIDE, init)
         step = bt.StepArgs(batch_per_rank=args.batch_per_rank, seq_len=64, warmup=1, steps=args.train_steps, lr=3e-3,
-                           data=str(data), record_routing=True, save_to=trained, ranks_per_node=WORLD)
+                           data=str(data), record_routing=True, save_to=trained)
         train = bt.RunSpec("train-ep4", "hybrid", 1, WORLD, {"dispatcher": "torch", "topology": TOPOLOGY}, mem_limit=False)
         with bt.FlatFabric(WORLD) as flat:
             report["fabrics"] = {"flat": flat.info}
@@ -162,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
                 for placement_name in placements if i == 0 else ["contiguous"]:
                     for dispatcher in ("torch", "hierarchical"):
                         run(fabric, dispatcher, placement_name)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     report["summary"] = [summarize(r) for r in report["runs"]]
     report["comparison"] = compare(report["summary"], report["coactivation"]["predicted_ratio"])
     report["elapsed_s"] = time.monotonic() - started

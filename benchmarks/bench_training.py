@@ -31,16 +31,14 @@ from training.runs import (  # noqa: E402
     model_bytes,
     save_checkpoint,
 )
-from training.session import clean_start, run_logged  # noqa: E402
+from training.session import clean_start, run_logged, scratch_checkpoint  # noqa: E402
 from training.worker import worker  # noqa: E402
-
-_clean_start = clean_start  # the name scripts used before the split
 
 __all__ = [
     "AUTO_BUDGET_REPLICAS", "OPTIMIZER", "PREFIX", "CollectiveMeter", "Fabric", "FlatFabric", "ModelArgs", "RunSpec",
     "StepArgs", "TwoNodeFabric", "build_parser", "chart", "check_param_formula", "clean_start", "default_runs",
     "goals", "machine_info", "main", "memory_rate_gbps", "merge", "model_bytes", "overlap_goals", "regime_results",
-    "remove_stale_namespaces", "run_layout", "run_logged", "run_regime", "save_checkpoint", "table", "worker",
+    "remove_stale_namespaces", "run_layout", "run_logged", "run_regime", "save_checkpoint", "scratch_checkpoint", "table", "worker",
     "write_json",
 ]
 

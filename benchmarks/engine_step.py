@@ -86,7 +86,7 @@ def main() -> None:
         for (dp, ep, degree), (model, _, times) in runs.items():
             stats = hep.comm_stats(model)
             a2a = sum(
-                v[p]["remote_bytes_sent"] for k, v in stats.items() if k != "gradient_reduction"
+                v[p]["remote_bytes_sent"] for v in hep.layer_counters(stats)
                 for p in ("dispatch", "combine", "dispatch_backward", "combine_backward")
             )
             red = stats["gradient_reduction"]

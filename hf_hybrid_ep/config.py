@@ -260,17 +260,11 @@ class HybridEPConfig:
 
     def __getattr__(self, name: str) -> Any:  # only for names that are not attributes
         if name in DEPRECATED_FIELDS:
-            warnings.warn(f"HybridEPConfig.{name} is deprecated; use .{DEPRECATED_FIELDS[name]}", DeprecationWarning,
-                          stacklevel=2)
-            return getattr(self, DEPRECATED_FIELDS[name])
+            return getattr(self, _successor(name))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in DEPRECATED_FIELDS:
-            warnings.warn(f"HybridEPConfig.{name} is deprecated; use .{DEPRECATED_FIELDS[name]}", DeprecationWarning,
-                          stacklevel=2)
-            name = DEPRECATED_FIELDS[name]
-        object.__setattr__(self, name, value)
+        object.__setattr__(self, _successor(name) if name in DEPRECATED_FIELDS else name, value)
 
     # ------------------------------------------------------------------ construction
     def _apply_env(self) -> None:
@@ -490,7 +484,7 @@ def env_values() -> dict[str, Any]:
 def _env_twin(name: str, default: Any) -> Any:
     """:func:`_env_value` of field ``name``, else of its deprecated name's twin (with a warning)."""
     value = _env_value(name, default)
-    old = next((o for o, n in DEPRECATED_FIELDS.items() if n == name), None)
+    old = _DEPRECATED_NAME_OF.get(name)
     if value is None and old is not None:
         value = _env_value(old, default)
         if value is not None:
@@ -500,6 +494,14 @@ def _env_twin(name: str, default: Any) -> Any:
 
 
 DEPRECATED_FIELDS = {"expert_cache": "shadow_experts", "expert_cache_capacity": "shadow_capacity"}
+_DEPRECATED_NAME_OF = {new: old for old, new in DEPRECATED_FIELDS.items()}
+
+
+def _successor(name: str) -> str:
+    """The field that replaced the deprecated attribute ``name`` (with a ``DeprecationWarning``)."""
+    warnings.warn(f"HybridEPConfig.{name} is deprecated; use .{DEPRECATED_FIELDS[name]}", DeprecationWarning,
+                  stacklevel=3)
+    return DEPRECATED_FIELDS[name]
 
 
 def rename_deprecated(data: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -90,16 +90,13 @@ def offload_state_of(model: nn.Module) -> list[OffloadedExperts]:
     Raises:
         HybridEPConfigError: for a model that was not offloaded.
     """
-    layers = getattr(model, _OFFLOAD, None)
-    if layers is None:
-        raise HybridEPConfigError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.offload")
-    return layers
+    return _read(model, _OFFLOAD, "hf_hybrid_ep.offload", HybridEPConfigError)
 
 
-def _read(model: nn.Module, attribute: str, prepared_by: str) -> Any:
+def _read(model: nn.Module, attribute: str, prepared_by: str, error: type[Exception] = ValueError) -> Any:
     state = getattr(model, attribute, None)
     if state is None:
-        raise ValueError(f"{type(model).__name__} was not prepared with {prepared_by}")
+        raise error(f"{type(model).__name__} was not prepared with {prepared_by}")
     return state
 
 

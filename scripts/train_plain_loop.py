@@ -89,7 +89,7 @@ def main() -> None:
         dist.all_reduce(mean_loss)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             stats = hep.comm_stats(model)
-            sent = sum(v["dispatch"]["remote_bytes_sent"] for k, v in stats.items() if k != "gradient_reduction")
+            sent = sum(v["dispatch"]["remote_bytes_sent"] for v in hep.layer_counters(stats))
             print(f"step {step:3d}  loss {mean_loss.item() / world:.4f}  grad-norm {norm.item():.3f}  "
                   f"all-to-all sent {sent / 1024:.1f} KiB  all-reduced {stats['gradient_reduction']['expert_bytes'] / 1024:.1f} KiB (experts)")
         hep.reset_comm_stats(model)

@@ -10,7 +10,7 @@ import dist_cases as cases
 import parity
 import pytest
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+FAMILIES = parity.FAMILIES
 # (world, (dp, ep), experts): world 3 uses an expert count divisible by 3.
 LAYOUTS = [
     (4, (4, 1), 4), (4, (2, 2), 4), (4, (1, 4), 4),

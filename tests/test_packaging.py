@@ -23,7 +23,9 @@ def test_wheel_carries_the_package_data_and_no_tests(tmp_path):
         check=True, cwd=tmp_path,
     )
     (wheel,) = tmp_path.glob("hf_hybrid_ep-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "hf_hybrid_ep/model_cards/hybrid_ep_model_card.md" in names
     assert any(n.startswith("hf_hybrid_ep/known_configs/") and n.endswith(".json") for n in names)
     for sub in ("parallel", "moe", "dispatch", "checkpoint", "planning", "inference", "integrations"):
@@ -32,9 +34,7 @@ def test_wheel_carries_the_package_data_and_no_tests(tmp_path):
     assert modules == {p.relative_to(ROOT).as_posix() for p in (ROOT / "hf_hybrid_ep").rglob("*.py")}
     strays = [n for n in names if n.split("/")[0] in ("tests", "benchmarks", "scripts", "examples", "docs")]
     assert not strays, strays
-    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
-    text = zipfile.ZipFile(wheel).read(metadata).decode()
-    assert "License-Expression: Apache-2.0" in text
+    assert "License-Expression: Apache-2.0" in metadata
 
 
 def test_model_card_template_is_found_from_the_installed_package():

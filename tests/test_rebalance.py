@@ -4,6 +4,7 @@ and training stays that of one process training the full model."""
 from __future__ import annotations
 
 import dist_cases as cases
+import parity
 import pytest
 
 import hf_hybrid_ep as hep
@@ -13,11 +14,6 @@ from hf_hybrid_ep.planning.placement import align_rows
 
 LAYOUTS = [(2, 2), (1, 4)]
 FAMILIES = ["mixtral", "gpt_oss", "deepseek_v3"]  # per-expert keys; fused, biased and transposed; sigmoid, shared
-
-
-def _assert_faithful(r) -> None:
-    assert r["max_loss_rel"] <= cases.REL_TOL and r["max_grad_rel_step0"] <= cases.REL_TOL, r
-    assert r["max_norm_rel"] <= cases.REL_TOL and r["violations"] == [], r
 
 
 @pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
@@ -30,7 +26,7 @@ def test_training_with_rebalances_is_faithful(pools, dp, ep, optimizer_sharding)
         results = pool.run(cases.train_parity, family, dp, ep, 4, rebalance_every=1, rebalance_replicas=ep,
                            optimizer_sharding=optimizer_sharding)
         for rank, r in enumerate(results):
-            _assert_faithful(r)
+            parity.assert_within_rel_tol(r)
             assert [step for step, _ in r["rebalances"]] == [1, 2, 3], (family, rank)
             tables = r["tables"]  # before each after_optimizer_step, and at the end
             assert tables[1] != tables[0], (family, tables)  # the first rebalance changed the placement
@@ -44,14 +40,14 @@ def test_rebalances_with_fsdp2_dense_weights_are_faithful(pools, optimizer_shard
     for family in ("mixtral", "deepseek_v3"):
         for r in pools(4).run(cases.train_parity, family, 2, 2, 4, rebalance_every=1, rebalance_replicas=2,
                               dense_sharding="fsdp", optimizer_sharding=optimizer_sharding):
-            _assert_faithful(r)
+            parity.assert_within_rel_tol(r)
             assert r["tables"][1] != r["tables"][0], (family, r["tables"])
 
 
 def test_a_rebalance_without_replicas_keeps_the_parameters(pools):
     """Equal slot counts: the same Parameter objects get the moved rows (the optimizer is untouched)."""
     for r in pools(2).run(cases.train_parity, "mixtral", 1, 2, 4, rebalance_every=1):
-        _assert_faithful(r)
+        parity.assert_within_rel_tol(r)
         assert r["tables"][1] != r["tables"][0], r["tables"]
 
 
@@ -63,7 +59,7 @@ def test_the_imbalance_threshold_decides(pools):
     for over, want in ((1.1, True), (50.0, False)):
         for r in pool.run(cases.train_parity, "gpt_oss", 1, 2, 4, steps=2, skew=skew, rebalance_every=None,
                           rebalance_over=over):
-            _assert_faithful(r)
+            parity.assert_within_rel_tol(r)
             assert bool(r["rebalances"]) is want, (over, r["rebalances"])
             if want:
                 first = r["tables"][1]["model.layers.0.mlp.experts"]

@@ -5,7 +5,6 @@ step-time predictions and goals (``regimes.evaluate``)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import statistics
 import time
@@ -39,7 +38,7 @@ def memory_rate_gbps(seconds: float = 1.0) -> float:
 def _calibration_run(spec: RunSpec, step: StepArgs, ckpt: str, workdir: str) -> tuple[dict[str, Any], dict]:
     """``spec`` trained on the flat fabric (all ``WORLD`` ranks on one node); → (the fabric's info, the run)."""
     with FlatFabric(WORLD) as flat:
-        run = run_layout(spec, flat, ckpt, dataclasses.replace(step, ranks_per_node=WORLD), WORLD, workdir)
+        run = run_layout(spec, flat, ckpt, step, WORLD, workdir)
         return flat.info, run
 
 

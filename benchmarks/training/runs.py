@@ -99,7 +99,7 @@ class StepArgs:
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     mem_budget_bytes: int | None = None
-    ranks_per_node: int = 4
+    ranks_per_node: int = 4  # replaced by the fabric's when a run is launched (launch.run_layout)
     run_timeout_s: float = 900.0
     # token ids to train on: an ``.npz`` whose ``blocks`` is ``[N, seq_len]`` (default: uniform random ids)
     data: str | None = None

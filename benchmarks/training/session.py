@@ -4,7 +4,6 @@ killed runs removed), a scratch directory holding the model's checkpoint, and ea
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import signal
@@ -43,9 +42,9 @@ def scratch_checkpoint(model_args: ModelArgs) -> Iterator[tuple[str, str]]:
 
 def run_logged(spec: RunSpec, fabric: Fabric, ckpt: str, step: StepArgs, world: int, workdir: str, report: dict,
                started: float) -> dict:
-    """``run_layout`` with the fabric's ranks per node; the record appended to the report and one line printed
-    (seconds since ``started``, a ``time.monotonic()`` value)."""
-    rec = run_layout(spec, fabric, ckpt, dataclasses.replace(step, ranks_per_node=fabric.ranks_per_node), world, workdir)
+    """``run_layout``; the record appended to the report and one line printed (seconds since ``started``, a
+    ``time.monotonic()`` value)."""
+    rec = run_layout(spec, fabric, ckpt, step, world, workdir)
     report["runs"].append(rec)
     sps = f"{rec['samples_per_s']:.2f} samples/s" if rec["feasible"] else f"{rec['status']}: {rec.get('error', '')[:200]}"
     print(f"[{time.monotonic() - started:6.0f}s] {fabric.name:8s} {spec.name:26s} {sps}", flush=True)

@@ -267,17 +267,16 @@ def _engine_counters(model, steps: int) -> dict[str, Any]:
     from hf_hybrid_ep.dispatch.stats import PHASES
 
     stats = hf_hybrid_ep.comm_stats(model)
-    red = stats["gradient_reduction"]
+    layers, red = hf_hybrid_ep.layer_counters(stats), stats["gradient_reduction"]
     return {
         "a2a_remote_bytes_sent_per_step": sum(
-            v[p]["remote_bytes_sent"] for k, v in stats.items() if k != "gradient_reduction"
-            for p in PHASES) // steps,
+            v[p]["remote_bytes_sent"] for v in layers for p in PHASES) // steps,
         "allreduce_dense_bytes_per_step": red["dense_bytes"] // steps,
         "allreduce_expert_bytes_per_step": red["expert_bytes"] // steps,
         "ready_to_end_s_per_step": red["ready_to_end_s"] / steps,
         "buckets_launched_in_backward_per_step": red["buckets_launched_in_backward"] / steps,
         # every phase of the token exchange (the hierarchical dispatcher's cross-node stage is "*_inter")
-        "phases_per_step": {p: {key: sum(v[p][key] for k, v in stats.items() if k != "gradient_reduction")
+        "phases_per_step": {p: {key: sum(v[p][key] for v in layers)
                                 // steps for key in ("remote_rows_sent", "remote_bytes_sent")}
                             for p in PHASES},
     }

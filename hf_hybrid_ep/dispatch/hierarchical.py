@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .alltoall import AsyncExchange, _exchange, all_to_all, all_to_all_async
 from .stats import CommStats
 from .table import PlacementTable
-from .torch_backend import CONTROL_INTS, DispatchHandle, TorchDispatcher, host_ints, weighted_gather
+from .torch_backend import CONTROL_INTS, DispatchHandle, TorchDispatcher, host_ints, span_ids, weighted_gather
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ def node_groups(mesh, per_node: int) -> NodeGroups:
         sets = [("inter", tuple(base + n * per_node + local for n in range(nodes))) for local in range(per_node)]
         sets += [("intra", tuple(base + node * per_node + local for local in range(per_node))) for node in range(nodes)]
         for kind, ranks in sets:
-            group = mesh.group_of(ranks)
+            # one rank per node: the inter set is the EP group itself; its own group (never the world's
+            # reduction group, where the token exchange would queue behind gradient buckets)
+            group = mesh.ep_group if kind == "inter" and per_node == 1 else mesh.group_of(ranks)
             if mesh.rank in ranks:
                 mine[kind] = group
     return NodeGroups(nodes, per_node, mesh.ep_rank // per_node, mesh.ep_rank % per_node, mine["inter"], mine["intra"])
@@ -84,9 +86,8 @@ class HierarchicalHandle(DispatchHandle):
         node_send / node_recv: node rows sent to / received from each node (stage 1; index = node).
         token_of_row: ``[R]`` the token of each node row sent, rows ordered by node, then token.
         row_of: ``[T, N]`` the node row of (token, node), −1 when the token has no pair there.
-        row_mask: ``[R, k]`` which of the token's pairs are on the row's node.
-        row_keys: ``[R, k]`` ``local index · slots + slot`` of those pairs, −1 elsewhere (int16 when it
-            fits, else int32).
+        row_keys: ``[R, k]`` ``local index · slots + slot`` of the token's pairs on the row's node, −1
+            elsewhere (int16 when it fits, else int32).
         relay / relay_weights: filled when stage 1 arrives: the relay's handle over the received node
             rows (its tokens), and their ``[R1, k]`` routing weights.
     """
@@ -95,7 +96,6 @@ class HierarchicalHandle(DispatchHandle):
     node_recv: list[int] = field(default_factory=list)
     token_of_row: torch.Tensor | None = None
     row_of: torch.Tensor | None = None
-    row_mask: torch.Tensor | None = None
     row_keys: torch.Tensor | None = None
     relay: DispatchHandle | None = None
     relay_weights: torch.Tensor | None = None
@@ -215,18 +215,16 @@ class HierarchicalDispatcher(TorchDispatcher):
         collective over the EP group, one host read)."""
         num_tokens, k = top_k_index.shape
         g, device = self.groups, top_k_index.device
-        flat = top_k_index.reshape(-1).long()
-        valid = (flat >= 0) & (flat < self.table.num_experts)
-        safe = torch.where(valid, flat, torch.zeros_like(flat))
-        dest_rank, dest_slot = self.table.route(safe, self.ep_rank)
-        shadow = torch.zeros_like(valid) if shadow_slot_of is None else valid & (shadow_slot_of[safe] >= 0)
+        route = self._route(top_k_index, shadow_slot_of)
+        valid, dest_rank, dest_slot, shadow = route.valid, route.rank, route.slot, route.shadow
         routes = _Routes(
             sent=(valid & ~shadow).view(num_tokens, k), node=(dest_rank // g.per_node).view(num_tokens, k),
             # metadata bytes on the wire: int16 keys while they fit
             local_key=((dest_rank % g.per_node) * self.table.slots_per_rank + dest_slot).view(num_tokens, k).to(
                 torch.int16 if g.per_node * self.table.slots_per_rank < 2**15 else torch.int32),
-            shadow=shadow, flat=flat)
-        message, grids = self._counts_message(routes, dest_rank * self.table.slots_per_rank + dest_slot, spans)
+            shadow=shadow, flat=route.flat)
+        message, grids, num_shadow = self._counts_message(routes, dest_rank * self.table.slots_per_rank + dest_slot,
+                                                          spans)
         if control is not None:
             message[:, -CONTROL_INTS:] = control.to(device)
         received = torch.empty(self.table.ep_degree, message.shape[1], dtype=torch.long, device=device)
@@ -235,8 +233,7 @@ class HierarchicalDispatcher(TorchDispatcher):
             received.copy_(outgoing)
         else:
             dist.all_to_all_single(received, outgoing, group=self.ep_group)
-        num_shadow = torch.stack([shadow[a * k : b * k].sum() for a, b in spans])
-        node_rows = message[:, [c * self.block + self.block - 1 for c in range(len(spans))]].T.reshape(-1)
+        node_rows = message[:, self.block - 1 : len(spans) * self.block : self.block].T.reshape(-1)
         host = host_ints(torch.cat([num_shadow, node_rows, received.reshape(-1)]))
         chunks, nodes = len(spans), g.nodes
         recv_host = host[chunks + chunks * nodes :]
@@ -248,19 +245,19 @@ class HierarchicalDispatcher(TorchDispatcher):
                 for c, span in enumerate(spans)]
 
     def _counts_message(self, routes: _Routes, pair_dest: torch.Tensor,
-                        spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                        spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """``[nodes, spans · block + CONTROL_INTS]`` int64: per node and span, this rank's pair counts for every
         (local index, slot) of the node (stride ``max_slots``), then the node rows it sends there; and per
         span the ``[nodes · tokens]`` node-major grid of which tokens have a pair on which node. Every rank
-        of a node receives the node's row: as a relay it reads all of it, as a destination its own counts."""
+        of a node receives the node's row: as a relay it reads all of it, as a destination its own counts.
+        Also ``[spans]`` the pairs kept for local shadows per span (their sort bin, as in the torch backend)."""
         g, device = self.groups, pair_dest.device
         ep, slots, stride = self.table.ep_degree, self.table.slots_per_rank, self.max_slots
         num_tokens, k = routes.sent.shape
-        bins = ep * slots + 1
-        chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
-        for c, (a, _) in enumerate(spans[1:], start=1):
-            chunk[a:] = c
-        key = torch.where(routes.sent.reshape(-1), pair_dest, ep * slots) + chunk.repeat_interleave(k) * bins
+        bins = ep * slots + 2
+        not_sent = torch.where(routes.shadow, ep * slots, ep * slots + 1)
+        key = (torch.where(routes.sent.reshape(-1), pair_dest, not_sent)
+               + span_ids(num_tokens, spans, device).repeat_interleave(k) * bins)
         pair_count = torch.zeros(len(spans) * bins, dtype=torch.long, device=device)
         pair_count.scatter_add_(0, key, torch.ones_like(key))
         pair_count = pair_count.view(len(spans), bins)
@@ -278,7 +275,7 @@ class HierarchicalDispatcher(TorchDispatcher):
             block[:, : g.per_node * stride].view(g.nodes, g.per_node, stride)[:, :, :slots] = (
                 pair_count[c, : ep * slots].view(g.nodes, g.per_node, slots))
             block[:, -1] = grids[-1].view(g.nodes, tokens).sum(1)
-        return message, grids
+        return message, grids, pair_count[:, ep * slots]
 
     def _span_handle(self, routes: _Routes, span: tuple[int, int], c: int, grid: torch.Tensor, num_shadow: int,
                      node_send: list[int], recv_host: list[int], received: torch.Tensor, width: int,
@@ -305,8 +302,8 @@ class HierarchicalDispatcher(TorchDispatcher):
         token_of_row, node_of_row = cells % tokens, cells // tokens
         row_of = torch.where(grid, torch.cumsum(grid, 0) - 1, -1).view(g.nodes, tokens).T.contiguous()
         sent, node = routes.sent[a:b][token_of_row], routes.node[a:b][token_of_row]
-        row_mask = sent & (node == node_of_row.unsqueeze(1))
-        row_keys = torch.where(row_mask, routes.local_key[a:b][token_of_row], -1)
+        on_row_node = sent & (node == node_of_row.unsqueeze(1))
+        row_keys = torch.where(on_row_node, routes.local_key[a:b][token_of_row], -1)
         shadow_order, shadow_slot = torch.arange(tokens * k, device=received.device), None
         if num_shadow:  # shadow pairs first
             shadow_order = torch.sort((~routes.shadow[a * k : b * k]).to(torch.int8), stable=True)[1]
@@ -314,7 +311,7 @@ class HierarchicalDispatcher(TorchDispatcher):
         return HierarchicalHandle(
             shadow_order, 0, relay_send, recv_splits, tokens, k, local_slot, recv_counts, recv_counts_host,
             num_shadow=num_shadow, shadow_slot=shadow_slot, peer_control=peer_control, node_send=node_send,
-            node_recv=node_recv, token_of_row=token_of_row, row_of=row_of, row_mask=row_mask, row_keys=row_keys,
+            node_recv=node_recv, token_of_row=token_of_row, row_of=row_of, row_keys=row_keys,
         )
 
     # ------------------------------------------------------------------ dispatch
@@ -324,7 +321,7 @@ class HierarchicalDispatcher(TorchDispatcher):
         if top_k_weights is None:
             raise ValueError("the hierarchical dispatcher needs the routing weights at send time")
         rows = _TokenRows.apply(hidden, handle.token_of_row, handle.row_of)
-        weights = torch.where(handle.row_mask, top_k_weights.index_select(0, handle.token_of_row),
+        weights = torch.where(handle.row_keys >= 0, top_k_weights.index_select(0, handle.token_of_row),
                               top_k_weights.new_zeros(()))
         rows1, weights1, keys1 = _PackedExchange.apply(rows, weights, handle.row_keys, handle.node_send,
                                                        handle.node_recv, g.inter_group, self.stats, g.node)
@@ -374,7 +371,6 @@ class HierarchicalDispatcher(TorchDispatcher):
                        shadow_out: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, H]``: the sum of each token's node rows' partial sums, plus its shadow pairs' weighted outputs."""
         out = _SumNodeRows.apply(back, handle.row_of, handle.token_of_row)
-        if shadow_out is not None:
-            shadows = DispatchHandle(handle.order, handle.num_shadow, [], [], handle.num_tokens, handle.top_k)
-            out = out + weighted_gather(shadow_out.to(back.dtype), top_k_weights, shadows)
+        if shadow_out is not None:  # the shadow pairs lead handle.order
+            out = out + weighted_gather(shadow_out.to(back.dtype), top_k_weights, handle)
         return out

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 # every other backend's one exchange, under the plain names.
 PHASES = ("dispatch", "combine", "dispatch_backward", "combine_backward",
           "dispatch_inter", "combine_inter", "dispatch_inter_backward", "combine_inter_backward")
+INTER_PHASES = PHASES[4:]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,6 @@ class DispatchHandle(PendingExchange):
     local_slot: torch.Tensor | None = None
     recv_counts: torch.Tensor | None = None
     recv_counts_host: list[int] = field(default_factory=list)
-    work: object | None = None
     num_shadow: int = 0
     shadow_slot: torch.Tensor | None = None
     peer_control: list[tuple[int, int]] = field(default_factory=list)
@@ -156,6 +156,25 @@ class _WeightedGather(torch.autograd.Function):
         return grad_rows, grad_w, None, None
 
 
+class PairRoutes(NamedTuple):
+    """Where the ``[T·k]`` (token, k) pairs go: expert ids, which are valid, destination EP rank and local
+    slot, and which are kept for a local shadow."""
+
+    flat: torch.Tensor
+    valid: torch.Tensor
+    rank: torch.Tensor
+    slot: torch.Tensor
+    shadow: torch.Tensor
+
+
+def span_ids(num_tokens: int, spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """``[T]`` the index of the token span each token falls in (spans cover ``0..T`` in order)."""
+    chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    for c, (a, _) in enumerate(spans[1:], start=1):
+        chunk[a:] = c
+    return chunk
+
+
 def weighted_gather(rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """``[T, H]``: ``Σ_j weights[t, j] · rows[row of pair (t, j)]`` for the pairs of ``handle`` that have a
     row (the first ``rows.shape[0]`` of ``handle.order``); the others contribute zero. Differentiable in both."""
@@ -213,6 +232,16 @@ class TorchDispatcher:
         """:meth:`plan_chunks` for one chunk."""
         return self.plan_chunks(top_k_index, [(0, top_k_index.shape[0])], shadow_slot_of, control)[0]
 
+    def _route(self, top_k_index: torch.Tensor, shadow_slot_of: torch.Tensor | None) -> PairRoutes:
+        """Destination (EP rank, slot) of every ``[T·k]`` pair; ids outside [0, E) are flagged by the caller
+        and routed as expert 0, with ``valid`` false."""
+        flat = top_k_index.reshape(-1).long()
+        valid = (flat >= 0) & (flat < self.table.num_experts)
+        safe = torch.where(valid, flat, torch.zeros_like(flat))
+        rank, slot = self.table.route(safe, self.ep_rank)
+        shadow = torch.zeros_like(valid) if shadow_slot_of is None else valid & (shadow_slot_of[safe] >= 0)
+        return PairRoutes(flat, valid, rank, slot, shadow)
+
     def plan_chunks(self, top_k_index: torch.Tensor, spans: list[tuple[int, int]],
                     shadow_slot_of: torch.Tensor | None = None,
                     control: torch.Tensor | None = None) -> list[DispatchHandle]:
@@ -227,18 +256,13 @@ class TorchDispatcher:
         ep, slots = self.table.ep_degree, self.table.slots_per_rank
         bins = ep * slots + 2
         device = top_k_index.device
-        flat = top_k_index.reshape(-1).long()
-        valid = (flat >= 0) & (flat < self.table.num_experts)  # ids outside [0, E) are flagged by the caller
-        safe = torch.where(valid, flat, torch.zeros_like(flat))
-        dest_rank, dest_slot = self.table.route(safe, self.ep_rank)
-        key = torch.where(valid, dest_rank * slots + dest_slot, ep * slots + 1)
+        route = self._route(top_k_index, shadow_slot_of)
+        flat = route.flat
+        key = torch.where(route.valid, route.rank * slots + route.slot, ep * slots + 1)
         if shadow_slot_of is not None:
-            key = torch.where(valid & (shadow_slot_of[safe] >= 0), ep * slots, key)
+            key = torch.where(route.shadow, ep * slots, key)
         if len(spans) > 1:  # spans sort one after the other
-            chunk = torch.zeros(num_tokens, dtype=torch.long, device=device)
-            for c, (a, _) in enumerate(spans[1:], start=1):
-                chunk[a:] = c
-            key = key + chunk.repeat_interleave(top_k) * bins
+            key = key + span_ids(num_tokens, spans, device).repeat_interleave(top_k) * bins
         _, order = torch.sort(key, stable=True)
         counts = torch.zeros(len(spans) * bins, dtype=torch.long, device=device)
         counts.scatter_add_(0, key, torch.ones_like(key))

@@ -83,10 +83,6 @@ class ShardedExperts:
         self.table = table
         self.mesh = mesh
         self.options = options
-        self.check_finite = options.check_finite
-        self.capacity_factor = options.capacity_factor
-        self.drop_policy = options.drop_policy
-        self.overlap_degree = options.overlap_degree
         self.layout = ExpertsLayout.of(module)
         self.num_experts = table.num_experts
         self.local_experts = table.local_experts(mesh.ep_rank)
@@ -167,9 +163,10 @@ class ShardedExperts:
             return self._skipped(hidden_states)
         control = self._control(hidden_states, top_k_index, top_k_weights)
         dropped = 0
-        if self.capacity_factor is not None:
+        o = self.options
+        if o.capacity_factor is not None:
             top_k_index, dropped = apply_capacity(
-                top_k_index, top_k_weights, self.num_experts, self.capacity_factor, self.drop_policy
+                top_k_index, top_k_weights, self.num_experts, o.capacity_factor, o.drop_policy
             )
         if self.routing is not None:
             self.routing.count(top_k_index, dropped)
@@ -177,7 +174,7 @@ class ShardedExperts:
         if self.shadows is not None:
             self.shadows.wait()  # the weights fetched after the last optimizer step
             shadow_slot_of = self.shadows.slot_of(top_k_index.device)
-        if self.overlap_degree > 1:
+        if o.overlap_degree > 1:
             return self._forward_pipelined(hidden_states, top_k_index, top_k_weights, shadow_slot_of, control)
         handle = self.dispatcher.plan(top_k_index, shadow_slot_of, control)
         if agreement is not None and agreement.check(self.layer_id, handle.peer_control):
@@ -194,7 +191,7 @@ class ShardedExperts:
 
     def _control(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``[2]`` int64 on the device: this rank's input flags and layer id, for the counts exchange."""
-        if self.check_finite:
+        if self.options.check_finite:
             flags = input_flags(hidden, index, weights, self.num_experts)
         else:
             flags = torch.zeros((), dtype=torch.long, device=hidden.device)
@@ -234,7 +231,7 @@ class ShardedExperts:
         (:class:`~hf_hybrid_ep.dispatch.alltoall.AsyncExchange`), so in backward the experts of one chunk run
         while the other chunks' gradients travel. Every rank runs the same number of chunks (a chunk may be
         empty), so the collectives pair up in the same order everywhere."""
-        chunks = self.overlap_degree
+        chunks = self.options.overlap_degree
         bounds = [hidden.shape[0] * i // chunks for i in range(chunks + 1)]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         handles = self.dispatcher.plan_chunks(index, spans, shadow_slot_of, control)

@@ -217,7 +217,7 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
                       a2a_hidden_fraction, exchange_overhead_s)
     _check_layout_choices(counts, ep, recipe, optimizer_sharding, dense_sharding)
     topo.check_world(world)
-    b_w, b_g, b_o = RECIPES[recipe]
+    b_w, b_g, _ = RECIPES[recipe]
     tokens = tokens_per_step // world
     micro_batches = tokens // (micro_batch * seq_len)
     compute = _compute_terms(counts, tokens, seq_len, activation_checkpointing, device_flops * efficiency)
@@ -282,7 +282,7 @@ def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, m
     g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
     hierarchical = dispatcher in ("auto", "hierarchical") and ep > g
     if hierarchical:
-        a2a = _node_deduplicated_bytes(counts, tokens, ep, g, in_rack, b_a, activation_checkpointing)
+        a2a = _node_deduplicated_bytes(counts, tokens, ep, g, in_rack, b_a, activation_checkpointing, routed, exchanges)
     elif ep > 1:
         a2a = {"intra_node": routed * (g - 1) / ep, "inter_node": routed * (in_rack - g) / ep,
                "cross_rack": routed * (ep - in_rack) / ep}
@@ -350,13 +350,12 @@ def node_hit_probability(num_experts: int, experts_on_node: int, top_k: int) -> 
 
 
 def _node_deduplicated_bytes(counts: ModelCounts, tokens: int, ep: int, g: int, in_rack: int, b_a: int,
-                             activation_checkpointing: bool) -> Levels:
-    """Bytes per rank and step of the hierarchical dispatcher (module docstring), by link level."""
-    exchanges = 6 if activation_checkpointing else 4
+                             activation_checkpointing: bool, pairs: float, exchanges: int) -> Levels:
+    """Bytes per rank and step of the hierarchical dispatcher (module docstring), by link level; ``pairs``:
+    the plain dispatcher's bytes of one row per (token, expert) over its ``exchanges``."""
     p = node_hit_probability(counts.num_experts, counts.num_experts * g // ep, counts.top_k)
     metadata = counts.top_k * ((b_a + 2) * (2 if activation_checkpointing else 1) + b_a)  # per row and layer
     per_node = p * tokens * counts.moe_layers * (counts.hidden * b_a * exchanges + metadata)
-    pairs = counts.top_k * tokens * counts.hidden * b_a * counts.moe_layers * exchanges
     return {"intra_node": pairs * (g - 1) / g, "inter_node": per_node * (in_rack // g - 1),
             "cross_rack": per_node * ((ep - in_rack) // g)}
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
+from hf_hybrid_ep.dispatch.stats import INTER_PHASES
 
 from .common import _build, _global_inputs, _rank_slice, _rel
 
@@ -48,13 +49,12 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num
         out.loss.backward()
         runs[dispatcher] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
                             hep.comm_stats(model), traces, hep.state_of(model))
-    (logits_a, grads_a, _, _, _), (logits_b, grads_b, stats, traces, state) = runs["torch"], runs["hierarchical"]
+    (logits_a, grads_a, plain_stats, _, _), (logits_b, grads_b, stats, traces, state) = runs["torch"], runs["hierarchical"]
     layers = {layer.name: layer for layer in state.layers}
     predicted = sum(trace_traffic([t.numpy() for t in traces[name]], layers[name].table, topology,
                                   sources=[state.mesh.ep_rank] * len(traces[name]))["cross_node"] for name in traces)
     phases = {p: sum(stats[name][p]["remote_rows_sent"] for name in layers)
-              for p in ("dispatch_inter", "combine_inter", "dispatch_inter_backward", "combine_inter_backward")}
-    plain_stats = runs["torch"][2]
+              for p in INTER_PHASES}
     per_node = state.mesh.layout.nodes_per_group if state.mesh.layout else 1
     return {
         "logits_rel": _rel(logits_b, logits_a), "grad_rel": max(_rel(grads_b[n], grads_a[n]) for n in grads_a),

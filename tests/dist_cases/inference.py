@@ -40,7 +40,7 @@ def forward_parity(model_type: str, num_experts: int = 4, dtype: torch.dtype = t
     lo, hi = rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK
     got, want = getattr(out, key), getattr(ref_out, key)[lo:hi]
     stats = hep.comm_stats(model)
-    remote = sum(v["dispatch"]["remote_rows_sent"] for k, v in stats.items() if k != "gradient_reduction")
+    remote = sum(v["dispatch"]["remote_rows_sent"] for v in hep.layer_counters(stats))
     spread = fp32_distance = None
     if dtype != torch.float32:  # the round-off of equally correct computations in this dtype, measured
         alt = copy.deepcopy(ref)

@@ -86,7 +86,7 @@ def trainer_shadow_run(output_dir: str, shadow_experts: bool, max_steps: int = 4
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
     trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
     trainer.train()
-    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    layers = hep.layer_counters(hep.comm_stats(model))
     rebalancer = hep.state_of(model).rebalancer
     return {"losses": tc.losses(trainer), "shadows_held": sum(v["shadow"]["shadows_held"] for v in layers),
             "rows_local": sum(v["shadow"]["rows_local"] for v in layers),

@@ -103,7 +103,7 @@ def train_parity(
     shadowing = shadow_capacity is not None
     routing = shadowing or rebalance_every is not None or rebalance_over is not None
     with faults.injected(fault, model):
-        run = _train_steps(model, ref, (opt, ref_opt), batches, accum, max_norm, shadowing, routing)
+        run = _train_steps(model, ref, (opt, ref_opt), batches, max_norm, shadowing, routing)
     params = dict(model.named_parameters())
     view = lambda name, t: _local_view(model, t, params[name])  # noqa: E731
     spread_of = lambda names: parity.measured_spread(initial, ref, names, ref_optimizer, batches, max_norm, world,  # noqa: E731
@@ -152,13 +152,13 @@ class _TrainingRun:
 
 def _train_steps(model: torch.nn.Module, ref: torch.nn.Module,
                  optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer], batches: list[list[dict]],
-                 accum: int, max_norm: float, shadowing: bool, routing: bool) -> _TrainingRun:
+                 max_norm: float, shadowing: bool, routing: bool) -> _TrainingRun:
     """One optimizer step of both models per entry of ``batches`` (accumulated, clipped); with ``shadowing``
     the step's shadow counters, with ``routing`` the tables before each ``after_optimizer_step``."""
     ref_grads = dict(ref.named_parameters())
     run = _TrainingRun()
     for step in range(len(batches)):
-        run.loss_diffs += _accumulate(model, ref, batches[step], accum)
+        run.loss_diffs += _accumulate(model, ref, batches[step])
         if step == 0:
             run.grad_diffs = _grad_diffs(model, ref_grads)
             run.frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
@@ -178,11 +178,11 @@ def _train_steps(model: torch.nn.Module, ref: torch.nn.Module,
     return run
 
 
-def _accumulate(model: torch.nn.Module, ref: torch.nn.Module, micro_batches: list[dict], accum: int) -> list[float]:
+def _accumulate(model: torch.nn.Module, ref: torch.nn.Module, micro_batches: list[dict]) -> list[float]:
     """Forward and backward of one step's micro-batches (the hybrid model on this rank's slice, gradients
     synchronised on the last; the reference on the global batch); each mean loss's relative difference."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    loss_diffs = []
+    accum, loss_diffs = len(micro_batches), []
     for micro, batch in enumerate(micro_batches):
         sync = contextlib.nullcontext() if micro == accum - 1 else hep.no_sync(model)
         with sync:
@@ -201,10 +201,10 @@ def _parity_report(model: torch.nn.Module, ref: torch.nn.Module, run: _TrainingR
                    step_budget: float) -> dict:
     """The result of :func:`train_parity`: tables, rebalances, buckets, the measured differences and
     :mod:`parity`'s check of the final parameters."""
-    reducer = hep.state_of(model).reducer
-    rebalancer = hep.state_of(model).rebalancer
+    state = hep.state_of(model)
+    reducer, rebalancer, final = state.reducer, state.rebalancer, _tables(model)
     return {
-        "tables": [*run.tables, _tables(model)],  # before each after_optimizer_step, and at the end
+        "tables": [*run.tables, final],  # before each after_optimizer_step, and at the end
         "rebalances": [] if rebalancer is None else [(e.step, e.bytes_sent) for e in rebalancer.events],
         "shadow_steps": run.shadow_steps,
         "buckets": [(b.kind, b.size, b.numel) for b in reducer.active_buckets()],
@@ -215,8 +215,8 @@ def _parity_report(model: torch.nn.Module, ref: torch.nn.Module, run: _TrainingR
         "clipped": any(n > max_norm for n in run.norms),
         "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
         "frozen_with_grad": run.frozen_with_grad,
-        "placement": [list(row) for row in hep.state_of(model).layers[0].table.rows],
-        "placements": {layer.name: [list(row) for row in layer.table.rows] for layer in hep.state_of(model).layers},
+        "placement": final[state.layers[0].name],
+        "placements": final,
         "zero_initialised": sorted(measured_names),
         **_compare_params(model, ref, measured_names, spread_of, step_budget=step_budget),
     }
@@ -224,7 +224,7 @@ def _parity_report(model: torch.nn.Module, ref: torch.nn.Module, run: _TrainingR
 
 def _shadow_step_counters(model: torch.nn.Module) -> dict:
     """Hot-expert shadowing counters of one optimizer step, summed over the MoE layers."""
-    layers = [v for k, v in hep.comm_stats(model).items() if k != "gradient_reduction"]
+    layers = hep.layer_counters(hep.comm_stats(model))
     keys = ("rows_local", "shadows_held", "net_bytes_saved", "weight_bytes_received", "grad_bytes_sent",
             "token_bytes_avoided")
     return {key: sum(v["shadow"][key] for v in layers) for key in keys} | {
