@@ -46,3 +46,12 @@ def test_save_right_after_step_waits_for_pending_gathers(pools, tmp_path):
     for r in pools(4).run(cases.save_right_after_step, str(tmp_path / "ckpt"), 2, 2):
         assert r["pending"] > 0, r  # the gathers were still in flight when saving started
         assert r["saved_rel"] <= cases.REL_TOL and r["state_dict_rel"] <= cases.REL_TOL, r
+
+
+def test_buckets_sharing_ranks_launch_in_one_order(pools):
+    # Gradients ready in opposite orders on the two ranks, two dtypes over one process group: on NCCL a
+    # different issue order mismatches the all-reduces (or hangs); every rank must issue bucket order.
+    first, second = pools(2).run(cases.bucket_launch_order)
+    assert first["ready"] != second["ready"], (first, second)  # the case does make the orders differ
+    assert first["issued"] == second["issued"] == [0, 1, 2], (first, second)
+    assert first["grads"] == second["grads"] == [[1.0] * 8, [2.0] * 8, [3.0] * 8]

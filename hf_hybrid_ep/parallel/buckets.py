@@ -72,7 +72,7 @@ class FlatBucket:
     param_buffer: torch.Tensor | None = None  # [padded] ZeRO-1 flat parameters
     owned: list[OwnedView] = field(default_factory=list)
     # per-backward state
-    previous: list[FlatBucket] = field(default_factory=list)  # earlier buckets of the same stream (launch first)
+    previous: list[FlatBucket] = field(default_factory=list)  # earlier buckets over the same ranks (launch first)
     waiting: set[int] = field(default_factory=set)  # ids of parameters not yet accumulated
     launched: bool = False
     work: object | None = None

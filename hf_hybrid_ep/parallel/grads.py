@@ -222,7 +222,9 @@ class GradientReducer:
             close(key)
         for i, b in enumerate(out):
             b.position = i
-            b.previous = [o for o in out[:i] if (o.kind, o.ranks, o.dtype) == (b.kind, b.ranks, b.dtype)]
+            # Every earlier bucket over the same ranks, whatever its kind or dtype: buckets that share a
+            # communicator are launched in bucket order on every rank (NCCL pairs collectives by order).
+            b.previous = [o for o in out[:i] if o.ranks == b.ranks]
         return out
 
     def passive(self, bucket: FlatBucket) -> bool:
@@ -273,11 +275,12 @@ class GradientReducer:
             b.work, b.launched = None, False
 
     def _launch_ready(self) -> None:
-        """Launch, per process group, the next buckets in order whose gradients are all accumulated."""
+        """Launch, per set of ranks, the next buckets in bucket order whose gradients are all accumulated:
+        whatever order gradients become ready in, every rank issues one group's collectives in one order."""
         for b in self.active_buckets():
             if b.launched or b.waiting or (self._holding and b.kind == "expert"):
                 continue
-            if any(not o.launched for o in b.previous):
+            if any(not o.launched for o in b.previous if not self.passive(o)):
                 continue
             self._launch(b, async_op=True)
             self.stats.buckets_launched_in_backward += 1

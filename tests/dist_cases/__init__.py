@@ -58,7 +58,14 @@ from .placement import (
     routing_metrics,
     save_and_reload_placement,
 )
-from .training import ctr_parity, ddp_composition, inf_norm, one_hot_expert_training, train_parity
+from .training import (
+    bucket_launch_order,
+    ctr_parity,
+    ddp_composition,
+    inf_norm,
+    one_hot_expert_training,
+    train_parity,
+)
 
 __all__ = [
     # constants and the comparison helper tests use directly
@@ -101,6 +108,7 @@ __all__ = [
     "routing_metrics",
     "save_and_reload_placement",
     # training
+    "bucket_launch_order",
     "ctr_parity",
     "ddp_composition",
     "inf_norm",

@@ -335,3 +335,35 @@ def ctr_parity(dp: int, ep: int) -> dict:
     from step_parity import one_step_parity
 
     return one_step_parity(dp, ep)
+
+
+def bucket_launch_order() -> dict:
+    """Three one-parameter buckets over the world (fp32, bf16, fp32: two dtypes share one process group),
+    whose gradients become ready in opposite orders on even and odd ranks. Returns each rank's readiness
+    order, the bucket positions in the order their all-reduces were issued, and the reduced gradients."""
+    from hf_hybrid_ep.parallel.grads import GradientReducer
+    from hf_hybrid_ep.parallel.mesh import build_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = [torch.nn.Parameter(torch.ones(8, dtype=dt)) for dt in (torch.float32, torch.bfloat16, torch.float32)]
+    ready: list[int] = []
+    for i, p in enumerate(params):  # registered before the reducer's hooks, so they see readiness first
+        p.register_post_accumulate_grad_hook(lambda _, i=i: ready.append(i))
+    reducer = GradientReducer(build_mesh(world, 1), params, params, {}, [], [], bucket_bytes=1)
+    reducer.attach_grads()
+    position = {b.grad_buffer.data_ptr(): b.position for b in reducer.layout()}
+    issued: list[int] = []
+    real = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        issued.append(position[tensor.data_ptr()])
+        return real(tensor, *args, **kwargs)
+
+    # autograd runs the branch built last first: even ranks build 0, 1, 2 and odd ranks 2, 1, 0
+    order = range(3) if rank % 2 == 0 else range(2, -1, -1)
+    dist.all_reduce = spy
+    try:
+        sum((params[i].float() * (i + 1)).sum() for i in order).backward()
+    finally:
+        dist.all_reduce = real
+    return {"ready": ready, "issued": issued, "grads": [p.grad.float().tolist() for p in params]}
