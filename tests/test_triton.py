@@ -115,3 +115,129 @@ def test_triton_dispatcher_with_hot_expert_shadows(pools):
         assert r["max_loss_rel"] <= cases.REL_TOL and r["max_grad_rel_step0"] <= cases.REL_TOL, r
         assert r["violations"] == [], r
         assert r["shadow_steps"][1]["rows_local"] > 0, r["shadow_steps"]
+
+
+# ---------------------------------------------------------------------------------------------- 64-bit offsets
+
+WIDTHS = {"hidden"}  # kernel arguments that are row widths: a row index times one is an element offset
+
+
+def _wide_names(fn) -> set[str]:
+    """Names a kernel binds to a 64-bit value: ``x.to(tl.int64)`` or arithmetic on one (Triton promotes)."""
+    import ast
+
+    wide: set[str] = set()
+    assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+               and isinstance(n.targets[0], ast.Name)]
+    changed = True
+    while changed:
+        changed = False
+        for a in assigns:
+            if a.targets[0].id not in wide and _is_wide(a.value, wide):
+                wide.add(a.targets[0].id)
+                changed = True
+    return wide
+
+
+def _is_wide(node, wide: set[str]) -> bool:
+    import ast
+
+    if isinstance(node, ast.Name):
+        return node.id in wide
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to":
+        return bool(node.args) and ast.unparse(node.args[0]) == "tl.int64"
+    if isinstance(node, ast.BinOp):
+        return _is_wide(node.left, wide) or _is_wide(node.right, wide)
+    return False
+
+
+def _narrow_offsets(source: str) -> tuple[list[str], dict[str, int]]:
+    """Every ``index * width`` product of the ``@triton.jit`` kernels in ``source`` whose index is not 64-bit,
+    and how many such products each kernel has."""
+    import ast
+
+    narrow, checked = [], {}
+    for fn in ast.parse(source).body:
+        if not (isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list)):
+            continue
+        wide = _wide_names(fn)
+        checked[fn.name] = 0
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+                continue
+            for width, index in ((node.right, node.left), (node.left, node.right)):
+                if isinstance(width, ast.Name) and width.id in WIDTHS:
+                    checked[fn.name] += 1
+                    if not _is_wide(index, wide):
+                        narrow.append(f"{fn.name}: {ast.unparse(node)}")
+    return narrow, checked
+
+
+def test_every_row_offset_is_64_bit():
+    # rows × hidden reaches 2**31 at real sizes (a rank receiving 4× its share of 32k tokens × k 8 at H 8192):
+    # with 32-bit program ids the offset wraps and the kernel reads and writes the wrong rows, silently.
+    import inspect
+
+    from hf_hybrid_ep.dispatch import triton_kernels
+
+    narrow, checked = _narrow_offsets(inspect.getsource(triton_kernels))
+    assert narrow == []
+    assert len(checked) == 5 and all(n >= 1 for n in checked.values()), checked
+    # the check does catch a 32-bit index (the form a kernel takes without the casts)
+    bad = "@triton.jit\ndef k(src, dst, hidden):\n    row = tl.program_id(0)\n    tl.store(dst + row * hidden, 0)\n"
+    assert _narrow_offsets(bad)[0] == ["k: row * hidden"]
+
+
+def _dispatchers(experts: int, ep: int, alignment: int = 1):
+    from hf_hybrid_ep.dispatch import CommStats, PlacementTable, TorchDispatcher, TritonDispatcher
+
+    table = PlacementTable.contiguous(experts, ep)
+    return TorchDispatcher(table, 0, None, CommStats()), TritonDispatcher(table, 0, None, CommStats(), alignment=alignment)
+
+
+def _input_grads(outputs: list, inputs: list, grad: torch.Tensor) -> list:
+    return list(torch.autograd.grad(sum((o * g).sum() for o, g in zip(outputs, grad, strict=True)), inputs))
+
+
+def test_masked_paths_equal_the_torch_dispatcher():
+    # EP rank 0 of 2: pairs for rank 1's experts (remote), for expert 4 held here as a shadow, dropped ones
+    # (-1); 200 columns: two column blocks, the second partial.
+    torch.manual_seed(0)
+    tokens, k, experts, width = 12, 2, 6, 200
+    torch_path, triton_path = _dispatchers(experts, 2)
+    index = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    index[::4, -1] = -1
+    shadow_slot_of = torch.full((experts,), -1, dtype=torch.long)
+    shadow_slot_of[4] = 0
+    handle = torch_path.plan(index, shadow_slot_of)
+    assert handle.num_sent and handle.num_shadow and handle.num_dropped and handle.send_splits[1]
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    back = torch.randn(handle.num_sent, width, requires_grad=True)
+    shadow_out = torch.randn(handle.num_shadow, width, requires_grad=True)
+    weights = torch.rand(tokens, k, requires_grad=True)
+    results = []
+    for d in (torch_path, triton_path):
+        rows = d._permute(hidden, handle.order, handle.num_sent, k)
+        out = d.finish_combine(back, weights, handle, shadow_out)
+        g = (torch.ones_like(rows), torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append([rows, out, *_input_grads([rows, out], [hidden, back, shadow_out, weights], g)])
+    for got, want in zip(results[1], results[0], strict=True):
+        assert cases._rel(got, want) <= 1e-6
+
+
+def test_fused_gather_rows_padding_equals_indexing():
+    # The regroup to expert-major order with groups padded to 4 rows: padding positions (-1) read zeros.
+    from hf_hybrid_ep.dispatch import DispatchHandle
+    from hf_hybrid_ep.dispatch.triton_kernels import fused_gather_rows
+
+    _, triton_path = _dispatchers(4, 2, alignment=4)
+    handle = DispatchHandle(torch.arange(0), 0, [0, 0], [3, 3], 0, 1, recv_counts=torch.tensor([2, 1, 3, 0]),
+                            recv_counts_host=[2, 1, 3, 0])
+    index, destination, _, _ = triton_path.regroup_plan(handle, 2)
+    rows = torch.randn(6, 200, requires_grad=True)
+    padded = torch.cat([rows, rows.new_zeros(1, 200)])
+    want = padded[torch.where(index >= 0, index, rows.shape[0])]
+    got = fused_gather_rows(rows, index, destination)
+    assert torch.equal(got, want)
+    g = torch.randn_like(want)
+    assert torch.equal(*(torch.autograd.grad((t * g).sum(), rows)[0] for t in (got, want)))

@@ -4,6 +4,10 @@ Permute gathers the routed ``(token, k)`` rows into destination order in one pas
 forms ``out[t] = sum_j w[t, j] * y[pos(t, j)]`` in one pass. Both backward passes are gathers too
 (each token has exactly k positions), so nothing uses atomics and results are deterministic.
 
+Offsets: every row index that is multiplied by a width is 64-bit (program ids cast with ``.to(tl.int64)``,
+indices loaded from the int64 index tensors cast too), so ``row * hidden`` cannot wrap once a tensor holds
+2**31 elements or more (``tests/test_triton.py`` checks the source: the interpreter cannot reach that size).
+
 Import this module only where the kernels can run: a CUDA device, or the CPU interpreter
 (``TRITON_INTERPRET=1`` set before import; test in fp32/fp16 there, its bf16 arithmetic is broken).
 """
@@ -19,10 +23,10 @@ BLOCK_H = 128
 
 @triton.jit
 def _permute_kernel(src, dst, order, top_k, hidden, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < hidden
-    token = tl.load(order + row) // top_k
+    token = tl.load(order + row).to(tl.int64) // top_k
     values = tl.load(src + token * hidden + col, mask=mask)
     tl.store(dst + row * hidden + col, values, mask=mask)
 
@@ -30,12 +34,12 @@ def _permute_kernel(src, dst, order, top_k, hidden, BLOCK: tl.constexpr):
 @triton.jit
 def _gather_sum_kernel(grad_rows, grad_tokens, position, num_rows, top_k, hidden, BLOCK: tl.constexpr):
     """grad_tokens[t] = sum_j grad_rows[position[t*k + j]] (positions >= num_rows were dropped)."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(0, top_k):
-        pos = tl.load(position + token * top_k + j)
+        pos = tl.load(position + token * top_k + j).to(tl.int64)
         live = col < tl.where(pos < num_rows, hidden, 0)  # all-false for a dropped pair
         values = tl.load(grad_rows + pos * hidden + col, mask=live, other=0.0)
         acc += values.to(tl.float32)
@@ -45,12 +49,12 @@ def _gather_sum_kernel(grad_rows, grad_tokens, position, num_rows, top_k, hidden
 @triton.jit
 def _combine_kernel(rows, weights, position, out, num_rows, top_k, hidden, BLOCK: tl.constexpr):
     """out[t] = sum_j weights[t, j] * rows[position[t*k + j]] (dropped positions contribute zero)."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(0, top_k):
-        pos = tl.load(position + token * top_k + j)
+        pos = tl.load(position + token * top_k + j).to(tl.int64)
         live = col < tl.where(pos < num_rows, hidden, 0)
         w = tl.load(weights + token * top_k + j).to(tl.float32)
         values = tl.load(rows + pos * hidden + col, mask=live, other=0.0).to(tl.float32)
@@ -62,9 +66,9 @@ def _combine_kernel(rows, weights, position, out, num_rows, top_k, hidden, BLOCK
 def _combine_backward_kernel(grad_out, rows, weights, position, grad_rows, grad_weights, num_rows, top_k, hidden,
                              BLOCK: tl.constexpr):
     """For pair (t, j) at row p: grad_rows[p] = w[t,j] * grad_out[t]; grad_w[t,j] = <grad_out[t], rows[p]>."""
-    pair = tl.program_id(0)
+    pair = tl.program_id(0).to(tl.int64)
     token = pair // top_k
-    pos = tl.load(position + pair)
+    pos = tl.load(position + pair).to(tl.int64)
     limit = tl.where(pos < num_rows, hidden, 0)
     w = tl.load(weights + pair).to(tl.float32)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
@@ -82,9 +86,9 @@ def _combine_backward_kernel(grad_out, rows, weights, position, grad_rows, grad_
 @triton.jit
 def _gather_kernel(src, dst, index, hidden, BLOCK: tl.constexpr):
     """dst[row] = src[index[row]], or zeros where index[row] < 0 (padding)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    source = tl.load(index + row)
+    source = tl.load(index + row).to(tl.int64)
     live = col < tl.where(source >= 0, hidden, 0)
     values = tl.load(src + source * hidden + col, mask=live, other=0.0)
     tl.store(dst + row * hidden + col, values, mask=col < hidden)
