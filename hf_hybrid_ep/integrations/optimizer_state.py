@@ -27,7 +27,7 @@ from ..checkpoint.atomic import open_checkpoint
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.safetensors_io import write_point
 from ..parallel.mesh import is_dtensor
-from ..parallel.zero import ShardedOptimizer
+from ..parallel.zero import ShardedOptimizer, groups_by_param, scalar_state
 from ..state import state_of
 
 TENSORS_NAME = "optimizer.safetensors"
@@ -157,12 +157,13 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
                 value = f.get_tensor(full_key)
             loaded.setdefault(name, {})[key] = value.to(p.device)
     sharding = optimizer.hybrid_sharding if isinstance(optimizer, ShardedOptimizer) else None
+    groups = groups_by_param(optimizer)
     for name in set(loaded) | set(meta["scalars"]):
         p = by_name[name]
         scalars = meta["scalars"].get(name, {})
         if sharding is not None and sharding.views_of(p) is not None:
-            sharding.load_full_state(optimizer, p, loaded.get(name, {}), scalars)
+            sharding.load_full_state(optimizer, p, loaded.get(name, {}), scalars, groups)
             continue
         optimizer.state[p].update(loaded.get(name, {}))
         for key, value in scalars.items():
-            optimizer.state[p][key] = torch.tensor(value, dtype=torch.float32)
+            optimizer.state[p][key] = scalar_state(value, p, groups[id(p)])

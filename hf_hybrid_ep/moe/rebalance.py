@@ -40,7 +40,7 @@ from torch import nn
 from ..dispatch import PlacementTable
 from ..parallel.grads import expert_homes
 from ..parallel.topology import Topology
-from ..parallel.zero import ShardedOptimizer, ZeroSharding, wait_for_parameters
+from ..parallel.zero import ShardedOptimizer, ZeroSharding, groups_by_param, wait_for_parameters
 from ..planning.placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
 from ..state import state_of
 
@@ -378,9 +378,10 @@ def _reseat_sharded_optimizer(optimizer, sharding, old_state: dict, moved: dict,
             mine = sharding.views_of(p)
             views.extend([p] if mine is None else mine)
         group["params"] = views
+    groups = groups_by_param(optimizer)
     for p in optimizer.hybrid_model_params:
         if sharding.views_of(p) is None:
             continue
         values = moved.get(id(p)) or {k: v.view(p.shape) for k, v in old_state.get(id(p), {}).items()}
         if values:
-            sharding.load_full_state(optimizer, p, values, scalars.get(id(p), {}))
+            sharding.load_full_state(optimizer, p, values, scalars.get(id(p), {}), groups)

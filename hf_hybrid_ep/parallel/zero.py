@@ -176,17 +176,33 @@ class ZeroSharding:
         return tensors, scalars
 
     def load_full_state(self, optimizer: torch.optim.Optimizer, param: nn.Parameter, values: dict[str, torch.Tensor],
-                        scalars: dict[str, float]) -> None:
-        """Set the state of ``param``'s owned views from its whole (local-shape) state."""
+                        scalars: dict[str, float], groups: dict[int, dict]) -> None:
+        """Set the state of ``param``'s owned views from its whole (local-shape) state (``groups``: the
+        optimizer's :func:`groups_by_param`)."""
         for b in self.buckets:
             for o in b.owned:
                 if o.param is not param:
                     continue
                 st = optimizer.state[o.view]
+                group = groups[id(o.view)]
                 for key, value in values.items():
                     st[key] = value.reshape(-1)[o.start : o.stop].to(o.view.device).clone()
                 for key, value in scalars.items():
-                    st[key] = torch.tensor(value, dtype=torch.float32)
+                    st[key] = scalar_state(value, o.view, group)
+
+
+def groups_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """``id(tensor) -> param group`` for every tensor ``optimizer`` steps."""
+    return {id(q): group for group in optimizer.param_groups for q in group["params"]}
+
+
+def scalar_state(value: float, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """Scalar optimizer state (Adam's ``step``) rebuilt as torch keeps it: a float32 tensor on the parameter's
+    device for a fused or capturable group, whose kernels read it there (a host tensor is an illegal access
+    or a device mismatch on CUDA), and on the CPU otherwise (``torch.optim.Optimizer.load_state_dict``'s rule)."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(value, dtype=torch.float32, device=param.device)
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def _agree_keys(keys: set[str], b: FlatBucket) -> set[str]:
