@@ -27,6 +27,7 @@ from .moe.rebalance import Rebalancer
 from .moe.routing import add_aux_losses_hook, install_router_controls, on_optimizer_step
 from .moe.shadow import ShadowManager
 from .parallel.agreement import InputAgreement
+from .parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
 from .parallel.grads import GradientReducer, expert_homes
 from .parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor, world_size
 from .parallel.zero import wait_for_parameters
@@ -83,25 +84,30 @@ def parallelize(
     """Shard the routed experts of a transformers MoE model over EP groups and return the same model.
 
     The model must be built identically on every rank (same config and seed, or the same checkpoint)
-    and ``torch.distributed`` initialised (or a world of one). In place: dense weights stay replicated;
+    and ``torch.distributed`` initialised (or a world of one). The model moves to this rank's device
+    (``cuda:LOCAL_RANK`` under NCCL, which becomes the current CUDA device; the CPU under gloo) after its
+    experts are sharded, so build it on the CPU. In place: dense weights stay replicated;
     each fused experts module keeps only this rank's experts and runs through the all-to-all dispatcher;
     gradient hooks give every gradient the single-process value after ``loss.backward()``. Create the
     optimizer afterwards. Collective: call on every rank.
 
     Raises:
         HybridEPConfigError: before any work, for a layout that cannot work (naming the values), a model
-            with no routed experts, or an experts module that cannot be sharded.
+            with no routed experts, an experts module that cannot be sharded, or parameters already on
+            another GPU than this rank's (naming it, the current device and the mesh's).
     """
     if is_parallelized(model):
         raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
     config = config or HybridEPConfig()
     found = check_shardable(model)
     mesh, tables = _apply_layout(config=config, found=found)
+    device = _apply_device(model=model, mesh=mesh)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
     layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh)
     if materialize is not None:
         _agree(mesh, materialize, model, layers)
+    place_module(model, device)  # after sharding: only this rank's experts reach the device
     _apply_router_controls(model=model, config=config, layers=layers)
     if config.dense_sharding == "fsdp":
         _fully_shard_dense(model, layers, mesh)
@@ -130,6 +136,16 @@ def _apply_layout(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]])
     if mesh.rank == 0:
         logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
     return mesh, tables
+
+
+def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
+    """This rank's device (``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo), made current; parameters already
+    on another accelerator are refused on every rank, naming their device, the current one and the mesh's."""
+    device = rank_device(mesh.device_type)
+    current = current_cuda_device() if device.type == "cuda" else None
+    use_device(device)  # first: the agreement below is a collective on this device
+    _agree(mesh, check_devices, model, device, current)
+    return device
 
 
 def _control_width(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], tables: list[PlacementTable],

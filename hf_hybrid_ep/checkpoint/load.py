@@ -24,6 +24,8 @@ from torch import nn
 from ..config import HybridEPConfig
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
+from ..parallel.devices import rank_device
+from ..parallel.mesh import default_device_type
 from ..state import state_of
 from .atomic import open_checkpoint
 from .convert import hub_metadata
@@ -154,9 +156,11 @@ def load_rank_local_(
     dtype: torch.dtype | None = None,
     fetch: Callable[[str], Path] | None = None,
     verifier: CheckpointVerifier | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (already sharded) from the checkpoint: meta parameters are
-    replaced, live ones (a resume) are copied into in place.
+    replaced (on ``device``, default the CPU, one tensor at a time), live ones (a resume) are copied into
+    in place.
 
     ``fetch(name)``, if given, returns the local path of weight file ``name`` (downloading it): only
     files holding a needed key are asked for. Every file opened is checked by ``verifier`` (default:
@@ -192,7 +196,8 @@ def load_rank_local_(
                 value = value.to(dtype)
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name)
-            module._parameters[leaf] = nn.Parameter(value, requires_grad=current.requires_grad)
+            module._parameters[leaf] = nn.Parameter(value.to(device) if device is not None else value,
+                                                    requires_grad=current.requires_grad)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -273,7 +278,8 @@ def from_pretrained(
 
     ``path`` is a hybrid-EP or plain safetensors checkpoint directory, or a Hub repo id. The model is
     created with parameters on the meta device, sharded by :func:`hf_hybrid_ep.parallelize`, and then
-    filled from the checkpoint. The placement stored in a hybrid-EP index (per layer or one table) is used when the
+    filled from the checkpoint, each tensor put on this rank's device as it is read (``cuda:LOCAL_RANK``
+    under NCCL, the CPU under gloo). The placement stored in a hybrid-EP index (per layer or one table) is used when the
     config gives no explicit table (``placement="contiguous"``, the default) and the layout has its
     EP degree; at another EP degree the experts are laid out contiguously (logged). Collective: call
     on every rank.
@@ -300,8 +306,9 @@ def from_pretrained(
     verifier = open_checkpoint(root, verify=config.verify_checksums if verify is None else verify,
                                local=fetch is None)
     model = build_meta_model(hf_config, trust_remote_code)
+    device = rank_device(default_device_type())  # each tensor goes there as it is read
     parallelize(model, config,
-                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verifier))
+                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verifier, device))
     load_side_state(model, root, verifier)
     model.eval()
     return model
