@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections import Counter
 
 import pytest
 import torch
+from sync_counting import SyncCounter
 from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
+from hf_hybrid_ep.inference import offload as offloading
 from hf_hybrid_ep.inference.offload import ExpertCache, replay
+from hf_hybrid_ep.state import offload_state_of
 
 
 def _evictions(policy: str, trace, capacity: int = 2, **kw) -> list[int]:
@@ -146,3 +151,91 @@ def test_load_offloaded_never_holds_more_than_capacity_experts(converted):
     for a, b in zip(got.logits, want.logits, strict=True):
         assert ((a - b).norm() / b.norm()).item() <= 1e-6
     assert all(layer["evictions"] > 0 for layer in hep.cache_stats(model).values())
+
+
+# ---------------------------------------------------------------------------------------------- the CUDA paths
+
+
+class _HostStream(torch.Stream):
+    """A real stream of the CPU standing in for a CUDA stream: ``record_stream`` of a host tensor on it raises
+    NotImplementedError, exactly as it does for host memory on a CUDA machine; waits between streams do nothing."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, log: Counter) -> None:
+        self.log = log
+
+    def record(self, stream) -> None:
+        self.log["events"] += 1
+
+    def synchronize(self) -> None:
+        self.log["host_waits"] += 1
+
+
+@pytest.fixture
+def cuda_on_cpu(monkeypatch):
+    """torch.cuda's stream and event API and pinned allocations on the CPU, counted; ``host`` makes the
+    machine look like a CUDA host for the duration of a block."""
+    log: Counter = Counter()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _HostStream("cpu"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream("cpu"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
+
+    def pinned(nbytes: int) -> torch.Tensor:
+        log["pinned_buffers"] += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(offloading, "pinned_buffer", pinned)
+
+    @contextlib.contextmanager
+    def host():
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            yield
+
+    return log, host
+
+
+def test_cuda_loads_stage_through_a_few_pinned_buffers(cuda_on_cpu):
+    # The CUDA code path with CPU tensors: a store of pageable memory (pinning every expert at once runs a
+    # real host out of page-locked memory), no record_stream on host memory (it has no CPU kernel, so the
+    # first load on a GPU raised), a ring of staging buffers reused once their transfer completed.
+    log, host = cuda_on_cpu
+    torch.manual_seed(0)
+    model = build_tiny_model("mixtral", num_experts=8).eval()
+    reference = copy.deepcopy(model)
+    with host():
+        hep.offload(model, capacity=3, prefetch=True)
+    layers = offload_state_of(model)
+    transfers = offloading.ExpertTransfers(torch.device("cuda"), layers[0].staging_bytes())
+    for layer in layers:
+        layer.transfers = transfers
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    got, want = _decode(model, ids), _decode(reference, ids)
+    assert torch.equal(got.sequences, want.sequences)
+    stats = hep.cache_stats(model).values()
+    loads = sum(s["misses"] + s["prefetched"] for s in stats)
+    assert log["events"] == loads > offloading.STAGING_BUFFERS == log["pinned_buffers"]
+    assert log["host_waits"] == loads - offloading.STAGING_BUFFERS  # only when the ring comes round
+
+
+def test_offload_decisions_read_the_device_once_per_layer():
+    # Which experts to load is decided on the host from one read of the routed counts per layer and forward;
+    # a read per expert is a host synchronisation per expert on CUDA.
+    torch.manual_seed(0)
+    model = build_tiny_model("mixtral", num_experts=8).eval()
+    hep.offload(model, capacity=6, prefetch=True)
+    last = offload_state_of(model)[-1]
+    assert last.next is None and last.router is not None  # predicted by the layer before, predicts none
+    hidden = torch.randn(10, model.config.hidden_size)
+    index = torch.stack([torch.randperm(8)[:2] for _ in range(10)])
+    index[0, 1] = -1
+    weights = torch.rand(10, 2)
+    for run in (lambda: last.prefetch_from(hidden), lambda: last.forward(hidden, index, weights)):
+        with SyncCounter() as syncs, torch.no_grad():
+            run()
+        assert dict(syncs.counts) == {"Tensor.tolist": 1}

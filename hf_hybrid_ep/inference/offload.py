@@ -8,11 +8,12 @@ expert whose next use is farthest away; needs the future trace, for replay only)
 ``offload(model, capacity, policy, store=...)`` keeps every expert in a backing store and only
 ``capacity`` experts per layer resident in the module's parameters; a forward loads the experts its
 tokens need (evicting by the policy) and computes in waves of at most ``capacity`` experts. Stores:
-:class:`MemoryStore` (CPU memory, pinned on CUDA hosts) and :class:`SafetensorsStore` (the expert
-files of a checkpoint, memory-mapped with ``safe_open``: the slow tier of a CPU-only host). With
-``prefetch=True`` each layer applies the next layer's router to its own input hidden states and loads
-the predicted experts of the next layer ahead of use (on CUDA on a side stream from pinned memory;
-untested on GPU); the prediction's recall is in :func:`cache_stats`.
+:class:`MemoryStore` (CPU memory) and :class:`SafetensorsStore` (the expert files of a checkpoint,
+memory-mapped with ``safe_open``: the slow tier of a CPU-only host). On CUDA every load goes through a
+few pinned staging buffers to a side stream (:class:`ExpertTransfers`). With ``prefetch=True`` each layer
+applies the next layer's router to its own input hidden states and loads the predicted experts of the
+next layer ahead of use; the prediction's recall is in :func:`cache_stats`. Deciding which experts to load
+reads their counts to the host once per layer and forward; nothing else waits for the device.
 """
 
 from __future__ import annotations
@@ -27,31 +28,80 @@ from torch import nn
 from ..errors import HybridEPConfigError
 from ..moe.discovery import expert_parameter_names, find_experts_modules
 from ..moe.routing import find_router
+from ..parallel.devices import place_module
 from ..state import attach_offload, is_parallelized, offload_state_of
 from .policies import POLICIES, CacheStats, ExpertCache, replay  # noqa: F401  (the names of hf_hybrid_ep.cache)
 from .stores import MemoryStore, SafetensorsStore, _make_store
 
+STAGING_BUFFERS = 4  # pinned host buffers of one expert each, shared by every layer of an offloaded model
+_ALIGN = 64  # bytes: each tensor of an expert starts at this alignment in its staging buffer
 
-class _Loader:
-    """Copies expert rows into resident slots: synchronously on the CPU; on CUDA on a side stream from
-    pinned memory, the compute stream waiting only when it uses the slots (untested on GPU)."""
 
-    def __init__(self, device: torch.device) -> None:
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory (a CUDA copy from it runs asynchronously)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class ExpertTransfers:
+    """Copies experts from a store into resident slots, for every layer of one offloaded model.
+
+    On the CPU a load is a plain copy. On CUDA each expert is first copied on the host into one of a ring of
+    :data:`STAGING_BUFFERS` pinned buffers (from the store's pageable or memory-mapped memory), then to the
+    device asynchronously on a side stream. A buffer is refilled only after its previous transfer completed:
+    the host waits on that transfer's event, which has usually long finished, when the ring comes round to
+    it. So the pinned memory is a few experts, whatever the store holds, and the host never waits for the
+    compute stream. The compute stream waits for the side stream only when it uses the slots (:meth:`wait`).
+
+    Args:
+        expert_bytes: the largest expert of the model (its tensors, each aligned to 64 bytes).
+    """
+
+    def __init__(self, device: torch.device, expert_bytes: int, buffers: int = STAGING_BUFFERS) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.expert_bytes = expert_bytes
+        self.buffers: list[torch.Tensor] = []
+        self.events: list = [None] * buffers
+        self.turn = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def load(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy one expert: ``(slot row on the device, the store's row)`` per parameter."""
         if self.stream is None:
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             return
-        if not src.is_pinned():
-            src = src.pin_memory()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot's last readers are done
+        staged, turn = self._stage(pairs)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the slots' last readers are done
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(self.stream)
+            for dst, src in staged:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.events[turn] = event
+
+    def _stage(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """Host copies of one expert into the next staging buffer, once that buffer's last transfer is done."""
+        turn = self.turn
+        self.turn = (turn + 1) % len(self.events)
+        if self.events[turn] is not None:
+            self.events[turn].synchronize()
+        if turn == len(self.buffers):
+            self.buffers.append(pinned_buffer(self.expert_bytes))
+        buffer, offset, staged = self.buffers[turn], 0, []
+        for dst, src in pairs:
+            nbytes = src.numel() * src.element_size()
+            view = buffer[offset : offset + nbytes].view(src.dtype).view(src.shape)
+            view.copy_(src)
+            staged.append((dst, view))
+            offset += _aligned(nbytes)
+        return staged, turn
 
     def wait(self) -> None:
+        """Make the compute stream wait for every load issued so far (no host synchronisation)."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
@@ -62,13 +112,13 @@ class OffloadedExperts:
     def __init__(self, name: str, module: nn.Module, capacity: int, policy: str, device: torch.device,
                  store) -> None:
         self.name, self.module, self.device, self.store = name, module, device, store
+        self.transfers: ExpertTransfers | None = None  # the model's, set by offload()
         self.num_experts = module.num_experts
         if capacity > self.num_experts:
             capacity = self.num_experts
         self.param_names = expert_parameter_names(name, module)
         expert_bytes = sum(getattr(module, p)[0].numel() * getattr(module, p).element_size() for p in self.param_names)
         self.cache = ExpertCache(capacity, policy, expert_bytes)
-        self.loader = _Loader(device)
         self.next: OffloadedExperts | None = None  # the following layer, when prefetching
         self.router: nn.Module | None = None  # this layer's router (used by the previous layer's prefetch)
         self.prediction: set[int] | None = None
@@ -85,17 +135,29 @@ class OffloadedExperts:
         self._forward = type(self.module).forward
         self.module.forward = self.forward
 
+    def staging_bytes(self) -> int:
+        """Bytes of one expert in a staging buffer (each tensor aligned)."""
+        return sum(_aligned(getattr(self.module, p)[0].numel() * getattr(self.module, p).element_size())
+                   for p in self.param_names)
+
     @torch.no_grad()
     def _load(self, loads: list[tuple[int, int]]) -> None:
         for expert, slot in loads:
-            for p, value in self.store.expert(self.name, expert).items():
-                self.loader.copy(getattr(self.module, p)[slot], value)
+            rows = self.store.expert(self.name, expert)
+            self.transfers.load([(getattr(self.module, p)[slot], value) for p, value in rows.items()])
+
+    def _routed_counts(self, top_k_index: torch.Tensor) -> list[int]:
+        """Pairs routed to each expert (ids < 0 are dropped pairs): one host read, no other synchronisation."""
+        ids = top_k_index.reshape(-1).long()
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=ids.device)
+        counts.scatter_add_(0, torch.where(ids >= 0, ids, self.num_experts), torch.ones_like(ids))
+        return counts[: self.num_experts].tolist()
 
     @torch.no_grad()
     def resize(self, capacity: int) -> None:
         """Change the resident slots at run time (evicting by the policy); resident experts keep their data."""
         capacity = min(capacity, self.num_experts)
-        self.loader.wait()
+        self.transfers.wait()
         moves = self.cache.resize(capacity)
         for p in self.param_names:
             old = getattr(self.module, p)
@@ -112,17 +174,16 @@ class OffloadedExperts:
     def prefetch_from(self, hidden_states: torch.Tensor) -> None:
         """Predict this layer's experts by applying its router to ``hidden_states`` (the previous layer's
         experts input) and load up to ``capacity`` of them, the most-routed first."""
-        index = self.router(hidden_states)[2]
-        counts = torch.bincount(index[index >= 0].reshape(-1), minlength=self.num_experts)
-        ranked = torch.argsort(counts, descending=True, stable=True)[: self.cache.capacity]
-        predicted = [e for e in ranked.tolist() if counts[e] > 0]
+        counts = self._routed_counts(self.router(hidden_states)[2])
+        ranked = sorted(range(self.num_experts), key=lambda e: -counts[e])[: self.cache.capacity]  # stable
+        predicted = [e for e in ranked if counts[e] > 0]
         self.prediction = set(predicted)
         self.cache.stats.predicted += len(predicted)
         self._load(self.cache.prefetch(predicted))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         capacity = self.cache.capacity
-        needed = torch.unique(top_k_index[top_k_index >= 0]).tolist()
+        needed = [e for e, n in enumerate(self._routed_counts(top_k_index)) if n]
         if self.prediction is not None:
             stats = self.cache.stats
             stats.used += len(needed)
@@ -136,10 +197,11 @@ class OffloadedExperts:
             for start in range(0, max(1, len(needed)), capacity):
                 wave = needed[start : start + capacity]
                 self._load(self.cache.request(wave))
-                self.loader.wait()
-                slot_of = torch.full((self.num_experts + 1,), capacity, dtype=torch.long, device=top_k_index.device)
+                self.transfers.wait()
+                slots = [capacity] * (self.num_experts + 1)  # the last entry: dropped pairs (-1)
                 for e in wave:
-                    slot_of[e] = self.cache.resident[e]
+                    slots[e] = self.cache.resident[e]
+                slot_of = torch.tensor(slots).to(top_k_index.device, non_blocking=True)
                 index = slot_of[top_k_index.clamp(-1, self.num_experts - 1)]  # -1 -> sentinel
                 weights = torch.where(index < capacity, top_k_weights, torch.zeros_like(top_k_weights))
                 part = self._forward(self.module, hidden_states, index, weights)
@@ -154,7 +216,7 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
     """Keep every expert in a backing store and only ``capacity`` experts per layer resident on ``device``.
 
     Args:
-        store: ``"memory"`` (default: CPU memory, pinned on CUDA hosts), a checkpoint directory or a
+        store: ``"memory"`` (default: CPU memory), a checkpoint directory or a
             :class:`SafetensorsStore` (experts read on demand, memory-mapped), or a :class:`MemoryStore`.
         prefetch: each layer predicts the next layer's experts with the next layer's router applied to
             its own input hidden states, and loads them ahead of use.
@@ -182,8 +244,11 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
             if router is None:
                 raise HybridEPConfigError(f"prefetch needs the router of {following.name}; none was found")
             layer.next, following.router = following, router[1]
+    transfers = ExpertTransfers(device, max(layer.staging_bytes() for layer in layers))
     for layer in layers:
+        layer.transfers = transfers
         layer.install()
+    place_module(model, device)  # the rest of the model (dense weights, buffers) runs there too
     attach_offload(model, layers)
     return model
 
@@ -228,6 +293,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise HybridEPConfigError(f"checkpoint {str(root)!r} lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    place_module(model, torch.device(device))  # buffers (rotary frequencies, correction biases) were built on the CPU
     return model.eval()
 
 

@@ -15,18 +15,15 @@ from ..errors import HybridEPConfigError
 
 
 class MemoryStore:
-    """Every expert in CPU memory (pinned when CUDA is available, so loads can be asynchronous)."""
+    """Every expert in (pageable) CPU memory; on CUDA a load is staged through a few pinned buffers
+    (:class:`~hf_hybrid_ep.inference.offload.ExpertTransfers`), so the page-locked memory stays a few experts."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
-        pin = torch.cuda.is_available()
         for name, module, param_names in layers:
-            self.tensors[name] = {}
-            for p in param_names:
-                t = getattr(module, p).detach().to("cpu").clone()
-                self.tensors[name][p] = t.pin_memory() if pin else t
+            self.tensors[name] = {p: getattr(module, p).detach().to("cpu").clone() for p in param_names}
 
     def expert(self, layer: str, expert: int) -> dict[str, torch.Tensor]:
         """``{parameter: [...]}`` rows of ``expert`` (one expert, no leading dimension), on the CPU."""
