@@ -121,6 +121,22 @@ def test_bf16_forward(pools, family):
         assert r["rel"] <= parity.SAFETY * r["spread"], r
 
 
+@pytest.mark.parametrize(("family", "overlap_degree"), [("qwen3_moe", 1), ("gpt_oss", 2)])
+def test_autocast_over_fp32_weights_exchanges_and_computes_in_bf16(pools, family, overlap_degree):
+    # The usual --bf16 run: fp32 weights under torch.autocast. Rows travel in bf16 (2·H bytes, in every
+    # exchange of forward and backward), the experts' grouped GEMMs run in bf16, gradients land in the fp32
+    # parameters, and every gradient is within the safety factor times the measured bf16 round-off of the
+    # fp32 reference (the same model under autocast in one process, every expert GEMM in bf16).
+    for r in pools(2).run(cases.autocast_parity, family, 2, 4, overlap_degree=overlap_degree):
+        assert r["gemm_dtypes"] == ["bfloat16"], r["gemm_dtypes"]
+        assert r["row_bytes"] == dict.fromkeys(("dispatch", "combine", "dispatch_backward", "combine_backward"),
+                                               [2 * r["hidden"]]), r["row_bytes"]
+        assert r["grad_dtypes"] == ["torch.float32"]
+        loss, loss_spread = r["loss"]
+        assert loss <= max(parity.SAFETY * loss_spread, parity.REL_TOL), r["loss"]
+        assert [t for t in r["tensors"] if not t[1] <= t[2]] == [], r["tensors"]
+
+
 def test_inf_norm_clipping(pools):
     for r in pools(2).run(cases.inf_norm, "olmoe", 2, 4):
         assert r["rel"] <= cases.REL_TOL, r

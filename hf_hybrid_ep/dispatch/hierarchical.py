@@ -353,7 +353,8 @@ class HierarchicalDispatcher(TorchDispatcher):
         g = self.groups
         back = all_to_all(expert_out, handle.recv_splits, handle.send_splits, g.intra_group, stats=self.stats,
                           phase="combine", self_index=g.local)
-        return weighted_gather(back, handle.relay_weights, handle.relay)
+        # in the rows' dtype on the wire (bf16 rows under autocast stay bf16; the sum itself is promoted)
+        return weighted_gather(back, handle.relay_weights, handle.relay).to(expert_out.dtype)
 
     def send_back(self, expert_out: torch.Tensor, handle: HierarchicalHandle, pending=None) -> torch.Tensor:
         """Partial sums at the relays, one row per node row back across (asynchronous with ``pending``)."""

@@ -441,11 +441,31 @@ class TorchDispatcher:
         return per_pair.view(handle.num_tokens, handle.top_k, -1).sum(dim=1)
 
 
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes matrix products in on ``t``'s device, when autocast is on there and
+    ``t`` is a wider float (fp32 weights or activations under ``autocast(dtype=torch.bfloat16)``); else ``None``."""
+    device_type = t.device.type
+    if not (t.is_floating_point() and torch.is_autocast_enabled(device_type)):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if torch.finfo(dtype).bits < torch.finfo(t.dtype).bits else None
+
+
 def grouped_experts(module, rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """transformers' grouped GEMM path of a fused experts module on expert-major ``rows`` whose local
-    slot ``s`` owns ``sizes[s]`` consecutive rows (honouring the gate / bias / transposed / post-norm flags)."""
+    slot ``s`` owns ``sizes[s]`` consecutive rows (honouring the gate / bias / transposed / post-norm flags).
+
+    Under ``torch.autocast`` with wider weights the GEMMs run in autocast's dtype, as ``F.linear`` does there:
+    transformers' ``_grouped_linear`` casts its input to the weight dtype and is not autocast-aware, which
+    would run them in fp32 (and on ATen's per-group fallback). Gradients reach the fp32 weights through the cast."""
     from transformers.integrations.moe import _grouped_linear
 
+    compute = autocast_dtype(module.down_proj)
+
+    def weight(t: torch.Tensor) -> torch.Tensor:
+        return t if compute is None else t.to(compute)
+
+    rows = weight(rows)
     local_slots = module.num_experts
     offsets = torch.cumsum(sizes, 0).to(torch.int32)
     expert_of_row = None
@@ -454,11 +474,11 @@ def grouped_experts(module, rows: torch.Tensor, sizes: torch.Tensor) -> torch.Te
                                                 output_size=rows.shape[0])
     up = module.gate_up_proj if module.has_gate else module.up_proj
     up_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
-    out = _grouped_linear(rows, up, offsets, bias=None if up_bias is None else up_bias[expert_of_row],
+    out = _grouped_linear(rows, weight(up), offsets, bias=None if up_bias is None else weight(up_bias[expert_of_row]),
                           is_transposed=module.is_transposed)
     out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
-    down_bias = module.down_proj_bias[expert_of_row] if module.has_bias else None
-    out = _grouped_linear(out, module.down_proj, offsets, bias=down_bias, is_transposed=module.is_transposed)
+    down_bias = weight(module.down_proj_bias[expert_of_row]) if module.has_bias else None
+    out = _grouped_linear(out, weight(module.down_proj), offsets, bias=down_bias, is_transposed=module.is_transposed)
     if module.has_post_expert_norm:
         out = module.post_expert_norm(out)
     return out

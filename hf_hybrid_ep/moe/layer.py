@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..dispatch import CommStats, PlacementTable, make_dispatcher
+from ..dispatch.torch_backend import autocast_dtype
 from ..errors import HybridEPConfigError
 from ..parallel.agreement import InputAgreement, input_flags
 from ..parallel.mesh import HybridMesh, all_gather_flat
@@ -174,19 +175,23 @@ class ShardedExperts:
         if self.shadows is not None:
             self.shadows.wait()  # the weights fetched after the last optimizer step
             shadow_slot_of = self.shadows.slot_of(top_k_index.device)
+        # Under autocast over wider weights the rows travel and the experts compute in autocast's dtype (as
+        # F.linear would); the output returns in the input's dtype.
+        compute = autocast_dtype(hidden_states)
+        x = hidden_states if compute is None else hidden_states.to(compute)
         if o.overlap_degree > 1:
-            return self._forward_pipelined(hidden_states, top_k_index, top_k_weights, shadow_slot_of, control)
+            return self._forward_pipelined(x, top_k_index, top_k_weights, shadow_slot_of, control).to(hidden_states.dtype)
         handle = self.dispatcher.plan(top_k_index, shadow_slot_of, control)
         if agreement is not None and agreement.check(self.layer_id, handle.peer_control):
             return self._skipped(hidden_states)
-        rows = self.dispatcher.send(hidden_states, handle, top_k_weights=top_k_weights)
+        rows = self.dispatcher.send(x, handle, top_k_weights=top_k_weights)
         overlap = None
         if self.shared_overlap is not None:
             self.shared_overlap.experts_ran = True
             if self.shared_overlap.after_experts:
                 overlap = lambda: self.shared_overlap.precompute(hidden_states)  # noqa: E731
         out = self.dispatcher.combine(self._experts(rows, handle), top_k_weights, handle, overlap_with=overlap,
-                                      shadow_out=self._shadow_experts(hidden_states, handle))
+                                      shadow_out=self._shadow_experts(x, handle))
         return out.to(hidden_states.dtype)
 
     def _control(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -253,7 +258,7 @@ class ShardedExperts:
         outputs = []
         for (a, b), handle, (back, exchange, shadow_out) in zip(spans, handles, returns, strict=True):
             outputs.append(self.dispatcher.finish_combine(exchange.wait(back), weights[a:b], handle, shadow_out))
-        return torch.cat(outputs).to(hidden.dtype)
+        return torch.cat(outputs)  # in the combine's dtype: the caller casts
 
 
 ExpertParallelLayer = ShardedExperts  # its name before 0.2 (a transformers class has that name too)

@@ -59,6 +59,7 @@ from .placement import (
     save_and_reload_placement,
 )
 from .training import (
+    autocast_parity,
     bucket_launch_order,
     ctr_parity,
     ddp_composition,
@@ -108,6 +109,7 @@ __all__ = [
     "routing_metrics",
     "save_and_reload_placement",
     # training
+    "autocast_parity",
     "bucket_launch_order",
     "ctr_parity",
     "ddp_composition",

@@ -18,6 +18,7 @@ import parity
 import torch
 import torch.distributed as dist
 from tiny_models import build_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_hybrid_ep as hep
 
@@ -367,3 +368,58 @@ def bucket_launch_order() -> dict:
     finally:
         dist.all_reduce = real
     return {"ready": ready, "issued": issued, "grads": [p.grad.float().tolist() for p in params]}
+
+
+class _GroupedGemmDtypes(TorchDispatchMode):
+    """The input dtypes of every grouped GEMM (``_grouped_mm`` or transformers' fallback op) run inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "grouped_mm" in func._overloadpacket.__name__:
+            self.dtypes.update(str(a.dtype).removeprefix("torch.") for a in args[:2] if torch.is_tensor(a))
+        return func(*args, **(kwargs or {}))
+
+
+def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: int = 1) -> dict:
+    """One forward and backward of the hybrid model (grouped_mm experts) under ``torch.autocast(bfloat16)``
+    over fp32 weights, against the fp32 single-process reference. The bf16 round-off of that computation is
+    measured by the reference model run the same way in one process, with eager experts (each expert GEMM
+    an ``F.linear``, which autocast runs in bf16). Returns the dtypes of the hybrid's grouped GEMMs, the
+    bytes per exchanged row of every phase, the gradients' dtypes, and per tensor the distance to the
+    fp32 reference with its bound (``SAFETY`` × the measured round-off, at least ``REL_TOL``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, num_experts)
+    bf16_ref = copy.deepcopy(ref)
+    bf16_ref.set_experts_implementation("eager")
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep, overlap_degree=overlap_degree))
+    batch = _global_inputs(ref, world, seed=3)
+    gemms = _GroupedGemmDtypes()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with gemms:
+            loss = model(**_rank_slice(batch, rank)).loss
+        bf16_loss = bf16_ref(**batch).loss
+    loss.backward()
+    bf16_loss.backward()
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    mean_loss = loss.detach().float().clone()
+    dist.all_reduce(mean_loss)
+    refs, bf16s = dict(ref.named_parameters()), dict(bf16_ref.named_parameters())
+    tensors = []
+    for name, p in model.named_parameters():
+        want = _local_view(model, refs[name].grad, p)
+        spread = _rel(_local_view(model, bf16s[name].grad, p), want)
+        tensors.append((name, _rel(p.grad, want), max(parity.SAFETY * spread, parity.REL_TOL)))
+    counters = hep.layer_counters(hep.comm_stats(model))
+    return {
+        "gemm_dtypes": sorted(gemms.dtypes), "hidden": model.config.hidden_size,
+        "row_bytes": {phase: sorted({layer[phase]["bytes_sent"] // layer[phase]["rows_sent"] for layer in counters
+                                     if layer[phase]["rows_sent"]}) for phase in ("dispatch", "combine",
+                                                                                   "dispatch_backward", "combine_backward")},
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "loss": (_rel(mean_loss / world, ref_loss.detach()), _rel(bf16_loss.detach().float(), ref_loss.detach())),
+        "tensors": tensors,
+    }
