@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,65 @@ def convert_checkpoint(
     return out
 
 
+@dataclass
+class HybridLayout:
+    """Where each tensor of a hybrid-EP checkpoint goes (:meth:`plan`) and the index that describes the files
+    (:meth:`finish`): dense tensors in size-capped shards, per-expert keys in the file of the EP rank holding
+    the expert (its first holder), fused ``[E, ...]`` tensors whole in size-capped shards."""
+
+    experts: ModelExperts
+    tables: dict[str, PlacementTable]
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    source: dict[str, Any] = field(default_factory=dict)
+    roles: dict[str, tuple[str, int | None]] = field(default_factory=dict, init=False)
+    storage: str = field(default="", init=False)
+    dtype: str = field(default="", init=False)
+
+    @property
+    def ep_degree(self) -> int:
+        return next(iter(self.tables.values())).ep_degree
+
+    def plan(self, specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
+        roles = classify_keys(specs, self.experts.num_experts)
+        layer_of = _expert_key_layers(self.experts.model, [k for k, r in roles.items() if r.kind == "per_expert"],
+                                      self.tables)
+        owner = {(name, e): t.holders(e)[0] for name, t in self.tables.items() for e in range(t.num_experts)}
+        dense = [s for k, s in sorted(specs.items()) if roles[k].kind == "dense"]
+        fused = [s for k, s in sorted(specs.items()) if roles[k].kind == "fused"]
+        per_rank: dict[int, list[TensorSpec]] = {r: [] for r in range(self.ep_degree)}
+        for k, s in sorted(specs.items()):
+            if roles[k].kind == "per_expert":
+                per_rank[owner[(layer_of[k], roles[k].expert)]].append(s)
+        layout: dict[str, list[TensorSpec]] = {}
+        dense_groups = _pack_by_size(dense, self.max_shard_bytes)
+        for i, group in enumerate(dense_groups, 1):
+            layout[dense_file(i, len(dense_groups))] = group
+        self.roles = {}
+        for r, group in per_rank.items():
+            if group:
+                layout[rank_file(r, self.ep_degree)] = group
+                self.roles[rank_file(r, self.ep_degree)] = ("experts", r)
+        fused_groups = _pack_by_size(fused, self.max_shard_bytes)
+        for i, group in enumerate(fused_groups, 1):
+            layout[fused_file(i, len(fused_groups))] = group
+            self.roles[fused_file(i, len(fused_groups))] = ("fused", None)
+        kinds = {r.kind for r in roles.values()} - {"dense"}
+        self.storage = kinds.pop() if len(kinds) == 1 else "mixed"
+        floats = [s.dtype for s in specs.values() if s.dtype.is_floating_point]
+        self.dtype = str(max(set(floats), key=floats.count)).removeprefix("torch.") if floats else "none"
+        return layout
+
+    def finish(self, tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
+        for name, info in infos.items():
+            info.role, info.ep_rank = self.roles.get(name, ("dense", None))
+        meta = HybridEPMetadata(
+            ep_degree=self.ep_degree, num_experts=self.experts.num_experts,
+            num_moe_layers=self.experts.num_moe_layers, storage=self.storage, placement=spec_of(self.tables),
+            dtype=self.dtype, source=self.source, files=infos,
+        )
+        write_index(tmp, weight_map, total, meta)
+
+
 def convert_into(
     src: str | os.PathLike[str],
     tmp: Path,
@@ -234,53 +294,10 @@ def convert_into(
     src_dir, source = resolve_source(src, revision)
     experts = model_experts(src_dir, trust_remote_code)
     tables = _placement_tables(placement, ep_degree, experts)
-    ep_degree = next(iter(tables.values())).ep_degree
     index = read_index(src_dir)
     validate_against_model(experts.model, index.specs, str(src_dir))
-    source = _source_record(src_dir, source, index)
-    state: dict[str, Any] = {}
-
-    def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
-        roles = classify_keys(specs, experts.num_experts)
-        layer_of = _expert_key_layers(experts.model, [k for k, r in roles.items() if r.kind == "per_expert"],
-                                      tables)
-        owner = {(name, e): t.holders(e)[0] for name, t in tables.items() for e in range(t.num_experts)}
-        dense = [s for k, s in sorted(specs.items()) if roles[k].kind == "dense"]
-        fused = [s for k, s in sorted(specs.items()) if roles[k].kind == "fused"]
-        per_rank: dict[int, list[TensorSpec]] = {r: [] for r in range(ep_degree)}
-        for k, s in sorted(specs.items()):
-            if roles[k].kind == "per_expert":
-                per_rank[owner[(layer_of[k], roles[k].expert)]].append(s)
-        layout: dict[str, list[TensorSpec]] = {}
-        dense_groups = _pack_by_size(dense, max_shard_bytes)
-        for i, group in enumerate(dense_groups, 1):
-            layout[dense_file(i, len(dense_groups))] = group
-        state["roles"] = {}
-        for r, group in per_rank.items():
-            if group:
-                layout[rank_file(r, ep_degree)] = group
-                state["roles"][rank_file(r, ep_degree)] = ("experts", r)
-        fused_groups = _pack_by_size(fused, max_shard_bytes)
-        for i, group in enumerate(fused_groups, 1):
-            layout[fused_file(i, len(fused_groups))] = group
-            state["roles"][fused_file(i, len(fused_groups))] = ("fused", None)
-        kinds = {r.kind for r in roles.values()} - {"dense"}
-        state["storage"] = kinds.pop() if len(kinds) == 1 else "mixed"
-        floats = [s.dtype for s in specs.values() if s.dtype.is_floating_point]
-        state["dtype"] = str(max(set(floats), key=floats.count)).removeprefix("torch.") if floats else "none"
-        return layout
-
-    def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
-        for name, info in infos.items():
-            info.role, info.ep_rank = state["roles"].get(name, ("dense", None))
-        meta = HybridEPMetadata(
-            ep_degree=ep_degree, num_experts=experts.num_experts, num_moe_layers=experts.num_moe_layers,
-            storage=state["storage"], placement=spec_of(tables), dtype=state["dtype"],
-            source=source, files=infos,
-        )
-        write_index(tmp, weight_map, total, meta)
-
-    _rewrite(index, tmp, save_id, plan, finish, torch_dtype, progress)
+    layout = HybridLayout(experts, tables, max_shard_bytes, _source_record(src_dir, source, index))
+    _rewrite(index, tmp, save_id, layout.plan, layout.finish, torch_dtype, progress)
 
 
 def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degree: int | None,
