@@ -29,7 +29,16 @@ from .moe.shadow import ShadowManager
 from .parallel.agreement import InputAgreement
 from .parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
 from .parallel.grads import GradientReducer, expert_homes
-from .parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, is_dtensor, world_size
+from .parallel.heartbeat import Heartbeat
+from .parallel.mesh import (
+    HybridMesh,
+    build_mesh,
+    current_device,
+    default_device_type,
+    is_dtensor,
+    local_tensor,
+    world_size,
+)
 from .parallel.zero import wait_for_parameters
 from .state import HybridEPState, attach, is_parallelized, state_of
 
@@ -300,37 +309,90 @@ def routing_step(model: nn.Module, optimizer=None) -> None:
     after_optimizer_step(model, optimizer)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of the unsharded model (every expert, global ids), on every rank.
+def savable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state-dict entries ``save_pretrained`` writes: without the keys the model ignores on save and the
+    duplicates of tied weights. References to this rank's tensors (local expert slots, FSDP2 shards)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    Collective over each EP group: call on every rank.
-    """
-    state = state_of(model)
     wait_for_parameters(model)
-    full = {k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()}  # FSDP2
-    for layer in state.layers:
-        for pname in layer.param_names:
-            full[f"{layer.name}.{pname}"] = layer.gather_full(pname)
-    return full
+    tensors = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        tensors.pop(key, None)
+    kept = remove_tied_weights_from_state_dict({k: local_tensor(v) for k, v in tensors.items()}, model)
+    return {k: v for k, v in tensors.items() if k in kept}
+
+
+def _expert_layers(model: nn.Module) -> dict[str, ShardedExperts]:
+    """State-dict key of every expert parameter → its EP layer."""
+    return {f"{layer.name}.{p}": layer for layer in state_of(model).layers for p in layer.param_names}
+
+
+def gather_scratch(model: nn.Module) -> torch.Tensor:
+    """A device buffer (uint8) that holds every EP rank's slots of the largest expert parameter: one
+    gathered parameter at a time passes through it on its way to host memory."""
+    layers = _expert_layers(model)
+    params = [getattr(layer.module, name.rpartition(".")[2]) for name, layer in layers.items()]
+    nbytes = max((layer.gathered_bytes(p) for p, layer in zip(params, layers.values(), strict=True)), default=0)
+    return torch.empty(nbytes, dtype=torch.uint8, device=params[0].device if params else None)
+
+
+@torch.no_grad()
+def host_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], rank0_only: bool,
+                 scratch: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """State-dict entries ``tensors`` of the unsharded model (every expert, global ids) in host memory, one
+    tensor at a time: beyond the model the device holds one :func:`gather_scratch` buffer (``scratch``, or
+    one made for the call).
+
+    With ``rank0_only`` only rank 0 gets them (``{}`` elsewhere) and only rank 0's EP group gathers experts;
+    otherwise every rank does. Collective: expert parameters over the EP group, FSDP2-sharded tensors over
+    the world; call on every rank with the same keys.
+    """
+    mesh = state_of(model).mesh
+    keep = mesh.rank == 0 or not rank0_only
+    gathers = mesh.edp_rank == 0 or not rank0_only
+    experts = _expert_layers(model)
+    if gathers and scratch is None and any(name in experts for name in tensors):
+        scratch = gather_scratch(model)
+    out = {}
+    for name, t in tensors.items():
+        if name in experts:
+            if gathers:
+                full = experts[name].gather_to_host(t, keep, scratch)
+                if keep:
+                    out[name] = full
+            continue
+        if is_dtensor(t):
+            t = t.full_tensor()
+        if keep:
+            out[name] = t.detach().cpu()
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the unsharded model (every expert, global ids), on every rank, in host memory.
+
+    Collective over each EP group (and the world for FSDP2-sharded weights): call on every rank.
+    """
+    wait_for_parameters(model)
+    return host_tensors(model, model.state_dict(), rank0_only=False)
 
 
 def _wrap_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained`` write the full model (a vanilla transformers checkpoint).
 
-    The experts are gathered over the EP group, so every rank must call it, like
-    ``accelerator.get_state_dict``; transformers then writes on rank 0 only.
+    Collective, like ``accelerator.get_state_dict``: the experts are gathered over rank 0's EP group one
+    parameter at a time into rank 0's host memory, and transformers writes them there while the other
+    ranks follow rank 0's heartbeat (no rank waits in one long collective).
     """
     original = getattr(model, "save_pretrained", None)
     if original is None:
         return
 
     def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-        result = original(
-            save_directory, *args, state_dict=full_state_dict(model) if state_dict is None else state_dict, **kwargs
-        )
-        if state_of(model).mesh.world_group is not None:
-            dist.barrier()
-        return result
+        if state_dict is None:
+            state_dict = host_tensors(model, savable_state(model), rank0_only=True)
+        return Heartbeat(state_of(model).mesh).alone(
+            lambda: original(save_directory, *args, state_dict=state_dict, **kwargs))
 
     save_pretrained.__doc__ = (original.__doc__ or "") + "\n\n(hf_hybrid_ep: collective; gathers the experts.)"
     model.save_pretrained = save_pretrained

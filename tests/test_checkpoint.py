@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import dist_cases as cases
 import parity
 import pytest
 import torch
@@ -208,3 +209,23 @@ def test_bad_ep_degree_names_the_values(converted, tmp_path):
         hep.convert_checkpoint(converted, tmp_path / "out", ep_degree=3, progress=False)
     assert not (tmp_path / "out").exists()
     shutil.rmtree(converted)
+
+
+def test_saving_streams_one_layer_at_a_time_and_no_rank_waits_long(pools, tmp_path):
+    # All the experts of a real model gathered at once do not fit on a GPU (≈58 GB of bf16 per rank for
+    # Qwen3-30B-A3B), and NCCL's watchdog kills a rank that waits in one collective longer than the process
+    # group's timeout (10 minutes by default) while rank 0 writes. Rank 0's writes are slowed here (every
+    # file opened or closed, fsync, rename, index) so that the save takes many write points × delay.
+    from hf_hybrid_ep.checkpoint.manifest import is_complete
+
+    delay = 0.15
+    results = pools(2).run(cases.save_costs, str(tmp_path / "ckpt"), delay)
+    assert is_complete(tmp_path / "ckpt") and results[0]["write_points"] >= 10, results[0]
+    for rank, r in enumerate(results):
+        assert r["all_layers_bytes"] == 4 * r["layer_bytes"], r
+        # Rank 1 gathers into one scratch buffer (the largest expert parameter, on the device) and drops. Rank 0
+        # also holds the module it writes and the reverse conversion's copies of it: host memory on a GPU
+        # machine, counted here too (the CPU is both).
+        assert r["peak_bytes"] <= (3 if rank == 0 else 1) * r["layer_bytes"], (rank, r)
+        assert r["seconds"] >= results[0]["write_points"] * delay, (rank, r)
+        assert r["longest_wait"] <= 3 * delay, (rank, r)

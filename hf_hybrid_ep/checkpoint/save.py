@@ -1,23 +1,24 @@
-"""Writing a live hybrid-EP model as an expert-sharded checkpoint, atomically."""
+"""Writing a live hybrid-EP model as an expert-sharded checkpoint, atomically, without a long collective wait."""
 
 from __future__ import annotations
 
 import os
-import shutil
-from contextlib import ExitStack
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch.table import spec_of
+from ..parallel.heartbeat import Heartbeat
 from ..state import state_of
 from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
-from .convert import convert_into
 from .format import INDEX_NAME
 from .manifest import read_manifest, write_manifest
 from .safetensors_io import write_point
-from .side_state import SIDE_FILE, save_side_state
+from .side_state import SIDE_FILE
+from .stream import stream_model_files
 
 
 def broadcast_save(model: nn.Module, value: object) -> object:
@@ -30,20 +31,31 @@ def broadcast_save(model: nn.Module, value: object) -> object:
     return box[0]
 
 
+@contextmanager
+def rank_zero_save(model: nn.Module, stage: Callable[[], AbstractContextManager[tuple[Path, str]]]
+                   ) -> Iterator[tuple[Path, str]]:
+    """Collective: rank 0 enters ``stage()`` (which claims a target and yields ``(staging directory, save
+    id)``, putting the save in place when it exits cleanly); every rank gets rank 0's pair. On a clean exit
+    rank 0 puts the save in place while the other ranks follow its heartbeat, so none waits in one long
+    collective however long that takes (checksums, fsync); every rank returns once it is in place."""
+    mesh = state_of(model).mesh
+    beat = Heartbeat(mesh)
+    stack = ExitStack()
+    try:
+        staged = beat.alone(lambda: stack.enter_context(stage()))  # claiming may first recover an earlier save
+        staging, save_id = broadcast_save(model, staged)
+        yield Path(staging), save_id
+    except BaseException:
+        stack.__exit__(*sys.exc_info())
+        raise
+    beat.alone(stack.close)
+
+
 def write_model_files(model: nn.Module, directory: Path, save_id: str) -> None:
     """Write the model into the existing (staging) ``directory``: weight shards for the model's EP degree
-    and placement, config files, the side state. Collective: the experts are gathered over each EP
-    group and rank 0 writes; ``directory`` must be the same path on every rank."""
-    mesh = state_of(model).mesh
-    plain = directory / ".plain"
-    model.save_pretrained(plain)  # collective: gathers experts, rank 0 writes
-    if mesh.rank == 0:
-        try:
-            tables = {layer.name: layer.table for layer in state_of(model).layers}
-            convert_into(plain, directory, save_id, placement=spec_of(tables), progress=False)
-            save_side_state(model, directory, save_id)
-        finally:
-            shutil.rmtree(plain, ignore_errors=True)
+    and placement, config files, the side state, streamed one module at a time (:mod:`.stream`).
+    Collective: rank 0 writes; ``directory`` must be the same path on every rank."""
+    stream_model_files(model, directory, save_id, Heartbeat(state_of(model).mesh))
 
 
 def _replaceable(directory: Path) -> bool:
@@ -53,6 +65,19 @@ def _replaceable(directory: Path) -> bool:
     manifest = read_manifest(directory) if (directory / INDEX_NAME).is_file() else None
     listed = set(manifest["files"]) | {INDEX_NAME} if manifest else set()
     return all(p.name in listed for p in directory.iterdir())
+
+
+@contextmanager
+def _moved_in(target: Path) -> Iterator[tuple[Path, str]]:
+    """A save staged beside ``target`` (a directory holding other things) and moved into it when complete."""
+    save_id = new_save_id()
+    staging = claim(target, save_id)
+    try:
+        yield staging, save_id
+        write_manifest(staging, save_id)
+        _move_into(staging, target)
+    finally:
+        release(target, staging)
 
 
 def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str]) -> Path:
@@ -65,26 +90,12 @@ def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str])
     last, and a crash in between leaves files of two saves, which every loader refuses, naming them.
     """
     output_dir = Path(output_dir)
-    mesh = state_of(model).mesh
-    with ExitStack() as stack:
-        whole = None
-        if mesh.rank == 0:
-            whole = _replaceable(output_dir)
-            if whole:
-                staging, save_id = stack.enter_context(staged_save(output_dir))
-            else:
-                save_id = new_save_id()
-                staging = claim(output_dir, save_id)
-                stack.callback(release, output_dir, staging)
-        else:
-            staging, save_id = None, None
-        staging, save_id = broadcast_save(model, (staging, save_id))
-        write_model_files(model, Path(staging), save_id)
-        if mesh.rank == 0 and not whole:
-            write_manifest(staging, save_id)
-            _move_into(staging, output_dir)
-    if mesh.world_group is not None:
-        dist.barrier()
+
+    def stage() -> AbstractContextManager[tuple[Path, str]]:
+        return staged_save(output_dir) if _replaceable(output_dir) else _moved_in(output_dir)
+
+    with rank_zero_save(model, stage) as (staging, save_id):
+        write_model_files(model, staging, save_id)
     return output_dir
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 
 from ..checkpoint.atomic import staged_save
 from ..checkpoint.load import load_checkpoint_into_
-from ..checkpoint.save import broadcast_save, save_hybrid_checkpoint
+from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint
 from ..errors import HybridEPConfigError
 from ..state import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
@@ -80,9 +79,7 @@ def save_state(
     a crash leaves the previous state or the new one."""
     output_dir = Path(output_dir)
     hybrid = _unwrap(accelerator, model)
-    with ExitStack() as stack:
-        staged = stack.enter_context(staged_save(output_dir)) if accelerator.process_index == 0 else None
-        staging, save_id = broadcast_save(hybrid, staged)
+    with rank_zero_save(hybrid, lambda: staged_save(output_dir)) as (staging, save_id):
         save_hybrid_checkpoint(hybrid, staging / "model")
         save_optimizer_state(hybrid, getattr(optimizer, "optimizer", optimizer), staging / "optimizer", save_id)
         (staging / "accelerate").mkdir(parents=True, exist_ok=True)
@@ -92,7 +89,6 @@ def save_state(
             scaler=accelerator.scaler,
         )
         accelerator.wait_for_everyone()
-    accelerator.wait_for_everyone()
     return output_dir
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from ..checkpoint.atomic import open_checkpoint
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.safetensors_io import write_point
+from ..parallel.heartbeat import Heartbeat
 from ..parallel.mesh import is_dtensor
 from ..parallel.zero import ShardedOptimizer, groups_by_param, scalar_state
 from ..state import state_of
@@ -77,12 +78,13 @@ def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[in
 
 def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path,
                          save_id: str | None = None) -> None:
-    """Write the optimizer state of a hybrid-EP model (collective over EP groups; rank 0 writes), each
-    file through a temporary name; ``save_id`` tags it as part of one checkpoint save."""
+    """Write the optimizer state of a hybrid-EP model (collective; rank 0 writes while the others follow its
+    heartbeat), each file through a temporary name; ``save_id`` tags it as part of one checkpoint save."""
     _refuse_dtensors(model)
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     names, experts = _names(model), _expert_layers(model)
     mesh = state_of(model).mesh
+    keep = mesh.rank == 0  # rank 0 writes; only its EP group gathers expert state, one tensor at a time
     states = _param_states(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, float]] = {}
@@ -96,25 +98,29 @@ def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
         for p in params:
             name = names[id(p)]
             for key, value in sorted(states.get(id(p), {}).items()):
-                if torch.is_tensor(value) and value.dim() > 0:
-                    layer = experts.get(id(p))
-                    tensors[f"{name}::{key}"] = (
-                        layer.gather_rows(value) if layer is not None else value.detach()
-                    ).cpu().contiguous()
-                else:
+                if not (torch.is_tensor(value) and value.dim() > 0):
                     scalars.setdefault(name, {})[key] = float(value.item() if torch.is_tensor(value) else value)
-    if mesh.rank == 0:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{TENSORS_NAME}.tmp"
-        write_point(f"open {TENSORS_NAME}")
-        save_file(tensors, tmp, metadata=save_metadata(save_id))
-        write_point(f"close {TENSORS_NAME}")
-        tmp.replace(directory / TENSORS_NAME)
-        tmp = directory / f".{META_NAME}.tmp"
-        tmp.write_text(json.dumps({"param_groups": groups, "scalars": scalars}, indent=1))
-        write_point(f"close {META_NAME}")
-        tmp.replace(directory / META_NAME)
+                elif experts.get(id(p)) is not None:
+                    full = experts[id(p)].gather_to_host(value, keep) if mesh.edp_rank == 0 else None
+                    if keep:
+                        tensors[f"{name}::{key}"] = full.contiguous()
+                elif keep:
+                    tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
+    Heartbeat(mesh).alone(lambda: _write_optimizer_files(Path(directory), tensors, groups, scalars, save_id))
+
+
+def _write_optimizer_files(directory: Path, tensors: dict[str, torch.Tensor], groups: list[dict],
+                           scalars: dict[str, dict[str, float]], save_id: str | None) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{TENSORS_NAME}.tmp"
+    write_point(f"open {TENSORS_NAME}")
+    save_file(tensors, tmp, metadata=save_metadata(save_id))
+    write_point(f"close {TENSORS_NAME}")
+    tmp.replace(directory / TENSORS_NAME)
+    tmp = directory / f".{META_NAME}.tmp"
+    tmp.write_text(json.dumps({"param_groups": groups, "scalars": scalars}, indent=1))
+    write_point(f"close {META_NAME}")
+    tmp.replace(directory / META_NAME)
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.load import load_checkpoint_into_
-from ..checkpoint.save import broadcast_save, save_hybrid_checkpoint, write_model_files
+from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
 from ..errors import HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
@@ -202,11 +201,8 @@ class HybridEPTrainer(Trainer):
         every file (:mod:`hf_hybrid_ep.checkpoint.atomic`); a crash leaves the previous checkpoint."""
         run_dir = Path(super()._get_output_dir(trial))
         target = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        with ExitStack() as stack:
-            staged = None
-            if self.args.process_index == 0:
-                staged = stack.enter_context(staged_save(target))
-            self._staging = staged = broadcast_save(self.hybrid_model, staged)
+        with rank_zero_save(self.hybrid_model, lambda: staged_save(target)) as staged:
+            self._staging = staged
             try:
                 super()._save_checkpoint(model, trial)
             finally:
@@ -218,8 +214,6 @@ class HybridEPTrainer(Trainer):
                     self.state.save_to_json(os.path.join(staged[0], TRAINER_STATE_NAME))
             if self.accelerator.num_processes > 1:
                 torch.distributed.barrier()  # every rank's RNG file is in the staged copy
-        if self.accelerator.num_processes > 1:
-            torch.distributed.barrier()
         if self.args.should_save:
             rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)

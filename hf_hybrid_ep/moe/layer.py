@@ -136,19 +136,47 @@ class ShardedExperts:
     def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
         """Assemble per-slot rows ``[S_local, ...]`` (a parameter, its gradient or optimizer state) into
         ``[E, ...]`` in global expert order. Collective over the EP group."""
+        return self._by_expert(self._all_slots(local))
+
+    def gathered_bytes(self, local: torch.Tensor) -> int:
+        """Bytes of every EP rank's slots of ``local`` (what :meth:`gather_to_host` receives on the device)."""
+        return self.table.ep_degree * self.table.slots_per_rank * local[0].numel() * local.element_size()
+
+    @torch.no_grad()
+    def gather_to_host(self, local: torch.Tensor, keep: bool, scratch: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
+        """:meth:`gather_rows` assembled in host memory where ``keep`` (else ``None``). The slots arrive on the
+        device in ``scratch`` (uint8, at least :meth:`gathered_bytes`; reused for every tensor of a save) or a
+        fresh buffer. Collective over the EP group."""
+        gathered = self._all_slots(local, scratch)
+        return self._by_expert(gathered, torch.device("cpu")) if keep else None
+
+    def _all_slots(self, local: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``[ep, slots_per_rank, ...]``: every EP rank's slots (a rank with fewer slots padded with zeros),
+        in ``scratch`` when given."""
         local = local.detach()
         ep, slots = self.table.ep_degree, self.table.slots_per_rank
-        padded = local.new_zeros((slots, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        gathered = local.new_empty((ep * slots, *local.shape[1:]))
+        if local.shape[0] == slots:
+            padded = local
+        else:
+            padded = local.new_zeros((slots, *local.shape[1:]))
+            padded[: local.shape[0]] = local
+        shape = (ep * slots, *local.shape[1:])
+        if scratch is None:
+            gathered = local.new_empty(shape)
+        else:
+            gathered = scratch[: self.gathered_bytes(local)].view(local.dtype).view(shape)
         if self.mesh.ep_group is None:
             gathered.copy_(padded)
         else:
             all_gather_flat(gathered, padded, self.mesh.ep_group)
-        gathered = gathered.view(ep, slots, *local.shape[1:])
-        full = local.new_empty((self.num_experts, *local.shape[1:]))
+        return gathered.view(ep, slots, *local.shape[1:])
+
+    def _by_expert(self, gathered: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        """``[E, ...]`` in global expert order from every rank's slots, on ``device`` (default: where they are)."""
+        full = torch.empty((self.num_experts, *gathered.shape[2:]), dtype=gathered.dtype, device=device or gathered.device)
         for rank, row in enumerate(self.table.rows):
-            full[list(row)] = gathered[rank, : len(row)]
+            full[list(row)] = gathered[rank, : len(row)].to(full.device)
         return full
 
     def expert_parameters(self) -> list[nn.Parameter]:

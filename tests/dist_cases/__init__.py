@@ -25,6 +25,7 @@ from .checkpoint import (
     hub_rank_local_load,
     load_with_a_missing_file,
     rank_local_load,
+    save_costs,
     save_generate_reload,
     save_right_after_step,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "hub_rank_local_load",
     "load_with_a_missing_file",
     "rank_local_load",
+    "save_costs",
     "save_generate_reload",
     "save_right_after_step",
     # dispatch

@@ -7,8 +7,14 @@ only its own bytes) and from a Hub stub, a missing expert file, and a ZeRO-1 sav
 
 from __future__ import annotations
 
+import contextlib
+import time
+import weakref
+
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_hybrid_ep as hep
 
@@ -177,3 +183,90 @@ def save_right_after_step(directory: str, dp: int, ep: int) -> dict:
     local = dict(model.named_parameters())
     state_rel = max(_rel(state[n], _local_view(model, want[n].detach(), local[n])) for n in local)
     return {"pending": pending, "saved_rel": saved_rel, "state_dict_rel": state_rel}
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of storages created inside (op outputs that alias no input), alive at the same time;
+    a storage counts until Python frees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in pytree.tree_leaves(out):
+            if not torch.is_tensor(t) or t.is_meta or t.untyped_storage().data_ptr() in inputs:
+                continue
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            inputs.add(storage.data_ptr())
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, nbytes)
+        return out
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def _timed_collectives(durations: list[float]) -> contextlib.AbstractContextManager:
+    """Record the seconds every ``torch.distributed`` collective call inside takes (the library looks them up
+    per call)."""
+    names = ("broadcast", "barrier", "all_reduce", "all_gather_into_tensor", "all_gather_single",
+             "broadcast_object_list", "all_gather_object", "all_to_all_single", "reduce_scatter_tensor")
+
+    @contextlib.contextmanager
+    def timed():
+        saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+        for n, real in saved.items():
+            def wrapper(*args, _real=real, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    durations.append(time.perf_counter() - start)
+            setattr(dist, n, wrapper)
+        try:
+            yield
+        finally:
+            for n, real in saved.items():
+                setattr(dist, n, real)
+
+    return timed()
+
+
+def save_costs(directory: str, write_delay: float) -> dict:
+    """One save of a tiny Qwen3-MoE (4 layers, every one MoE) at ep = world, with rank 0's every write point (a file
+    opened or closed, an fsync, a rename, the index) slowed by ``write_delay`` seconds: this rank's peak bytes
+    of tensors allocated during the save, one MoE layer's and all layers' expert bytes (unsharded), the
+    longest single collective call on this rank, the save's seconds and rank 0's write points."""
+    from tiny_models import build_tiny_model
+
+    from hf_hybrid_ep.checkpoint import safetensors_io
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.parallel import heartbeat
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen3_moe", num_experts=4, num_layers=4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    layers = hep.state_of(model).layers
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.expert_parameters()) * layer.num_experts
+                   // len(layer.local_experts) for layer in layers]
+    points: list[str] = []
+    if rank == 0:
+        safetensors_io._write_point = lambda name: (points.append(name), time.sleep(write_delay))
+    heartbeat.INTERVAL_S, interval = 0.05, heartbeat.INTERVAL_S
+    waits: list[float] = []
+    memory = _LiveBytes()
+    start = time.perf_counter()
+    try:
+        with _timed_collectives(waits), memory:
+            save_hybrid_checkpoint(model, directory)
+    finally:
+        safetensors_io._write_point, heartbeat.INTERVAL_S = None, interval
+    return {"peak_bytes": memory.peak, "layer_bytes": max(layer_bytes), "all_layers_bytes": sum(layer_bytes),
+            "longest_wait": max(waits), "seconds": time.perf_counter() - start, "write_points": len(points)}
