@@ -13,7 +13,9 @@ Sections (shapes on the GPU; ``--dry-run`` runs the same code with tiny ones):
 
 a. ``dispatch_kernels`` -- the Triton permute and unpermute-combine kernels (the ``"triton"`` dispatcher's
    ``_permute`` / ``_unpermute_combine``) against the torch dispatcher's, forward and backward, at
-   T = 4k / 16k tokens, H = 4096, k = 2 / 8, E = 64 / 256. fp32: relative error <= 1e-6. bf16: both paths
+   T = 4k / 16k tokens, H = 4096, k = 2 / 8, E = 64 / 256; also their masked paths (``masked_*``: EP rank 0
+   of 2 with remote, shadowed and dropped pairs) and ``fused_gather_rows``' padded regroup (``padded_regroup``)
+   against indexing. fp32: relative error <= 1e-6. bf16: both paths
    are compared with the torch path in fp32 on the same values; the Triton error must be <= 2x the torch
    error (floor 2**-9, half a bf16 ulp). GB/s of the forward kernels against a device-to-device copy
    (median of per-call ``torch.cuda.Event`` timings, the helpers of ``bench_dispatch.py``).
@@ -25,22 +27,38 @@ c. ``engine`` -- ``hep.parallelize`` at world 1 (a one-rank NCCL process group o
    CUDA one; no process group in ``--dry-run``, as the tests do) with dispatcher ``"torch"``, ``"triton"``
    and ``"auto"`` (records which one auto-selection picked; ``"triton"`` expected on CUDA), ZeRO-1
    (``optimizer_sharding="zero1"``, ``hep.make_optimizer``: fused AdamW), the bucketed gradient reducer,
-   ``hep.clip_grad_norm_``, on a ~1.8 B-parameter Qwen3-MoE-shaped model in bf16 for a few steps: losses
-   against the same model trained without the engine (bf16: relative <= 2e-2 per step; fp32: 1e-5),
+   ``hep.clip_grad_norm_``, on a ~1.8 B-parameter Qwen3-MoE-shaped model in bf16 for a few steps: every
+   parameter's first-step gradient against an fp32 reference, within 3x the distance of the reference computed
+   in bf16 (fp32 runs: 1e-5); losses against the same model trained without the engine (bf16: relative
+   <= 2e-2 per step; fp32: 1e-5); the ``"auto"`` run starts from a copy on the CPU, which ``parallelize`` must
+   place on ``cuda:0``;
    tokens/s, MFU (6 x active parameters x tokens per second over an assumed 989 TFLOP/s, H200 dense bf16;
    attention's sequence-length term not counted) and ``hep.memory_report`` against
    ``torch.cuda.max_memory_allocated``.
 d. ``offloaded_decoding`` -- greedy decoding with a 25 % expert budget through
-   ``hep.load_offloaded(path, capacity, prefetch=True, device="cuda")`` against the fully resident model and
-   accelerate's ``cpu_offload`` of the same checkpoint: tokens/s, cache hit rate and prefetch recall; fp32
-   tokens must be identical (asserted); bf16 records the first position where offloaded and resident differ.
+   ``hep.load_offloaded(path, capacity, prefetch=True, device="cuda")`` and through ``hep.offload`` of a model on
+   the CPU (memory store, no prefetch; every tensor but the experts must land on the GPU) against the fully
+   resident model and accelerate's ``cpu_offload`` of the same checkpoint: tokens/s, cache hit rate and prefetch
+   recall; fp32 tokens must be identical (asserted); bf16 records the first position where offloaded and
+   resident differ.
+e. ``save_resume`` -- an fp32 model built on the CPU and parallelized (ZeRO-1, fused AdamW) takes one step, is
+   saved (streamed hybrid-EP checkpoint: the device memory the save allocates must stay within one layer's
+   experts) with its optimizer state, resumed with ``hep.from_pretrained`` and ``load_optimizer_state`` (the
+   parameters and AdamW's ``step`` must be on ``cuda:0``), and both take one more step: equal losses and
+   parameters (relative 1e-5).
+f. ``autocast`` -- fp32 weights under ``torch.autocast(bfloat16)``: the engine's grouped GEMMs must run in bf16,
+   its rows be 2·H bytes in the dispatcher's counters, and every fp32 gradient be within 3x the bf16 round-off
+   of the fp32 reference (the reference under autocast with eager experts).
 
-Expected run time: about 2-4 minutes on one H200 (mostly model building and Triton compilation); ``--dry-run``
-under a minute on two CPU cores.
+Expected run time: about 3-5 minutes on one H200 (mostly model building, Triton compilation and section e's
+files); ``--dry-run`` under a minute on two CPU cores. Prepared as one timed command with room for a rerun:
+``timeout 480 python benchmarks/gpu_check.py --out-dir gpu_check_out``.
 
 What it cannot verify: multi-rank NCCL. One rank runs no real collectives (every exchange is the identity and
-every reduction a no-op), and NCCL refuses two ranks on one GPU, so all-to-all, the gradient collectives and
-ZeRO-1's reduce-scatter / all-gather over several GPUs need a multi-GPU machine. For the same reason the
+every reduction a no-op; sections c, e and f run with the one-rank NCCL group of section c, so their heartbeat
+broadcasts and device checks are NCCL calls), and NCCL refuses two ranks on one GPU, so all-to-all, the gradient
+collectives, the bucket launch order and ZeRO-1's reduce-scatter / all-gather over several GPUs need a
+multi-GPU machine. For the same reason the
 bucketed gradient reducer, though installed, allocates no buckets and reduces nothing at world 1 (section c
 records its counters, all zero); ZeRO-1 is checked for its bookkeeping only (one shard holding every element). ``--dry-run`` skips every
 bf16 comparison (the Triton interpreter's bf16 arithmetic is broken) and all CUDA timing.
@@ -77,6 +95,9 @@ FP32_EXPERTS_TOL = 1e-5
 BF16_FLOOR = 2.0**-9
 BF16_FACTOR = 2.0
 LOSS_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+OFFLOAD_NO_PREFETCH = "hf_hybrid_ep offloaded (memory store, no prefetch)"
+FP32_GRAD_TOL = 1e-5  # per parameter, relative (fp32 round-off of another summation order)
+SAFETY = 3.0  # a lower-precision run may differ from fp32 by this many times its reference's own distance
 
 
 @dataclass(frozen=True)
@@ -214,12 +235,56 @@ def _dtype(name: str):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _dispatchers(experts: int):
+def _dispatchers(experts: int, ep: int = 1, alignment: int = 1):
     from hf_hybrid_ep.dispatch import CommStats, PlacementTable, TorchDispatcher, TritonDispatcher
 
-    table = PlacementTable.contiguous(experts, 1)
+    table = PlacementTable.contiguous(experts, ep)
     return {"torch": TorchDispatcher(table, 0, None, CommStats()),
-            "triton": TritonDispatcher(table, 0, None, CommStats())}
+            "triton": TritonDispatcher(table, 0, None, CommStats(), alignment=alignment)}
+
+
+def masked_case(tokens: int, hidden: int, k: int, experts: int, device: str) -> dict:
+    """EP rank 0 of 2 (no process group: the plan is computed locally): distinct experts per token, every
+    fifth token's last pair dropped (-1), expert ``E/2`` (on rank 1) held here as a shadow, so the pairs are
+    local, remote, shadowed and dropped; fp32 activations for every masked path of the kernels."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(4)
+    index = torch.rand(tokens, experts, device=device, generator=g).topk(k, dim=-1).indices
+    index[::5, -1] = -1
+    shadow = torch.full((experts,), -1, dtype=torch.long, device=device)
+    shadow[experts // 2] = 0
+    handle = _dispatchers(experts, ep=2)["torch"].plan(index, shadow)
+    f = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
+    return {"index": index, "shadow_slot_of": shadow, "masked_x": f(tokens, hidden),
+            "masked_back": f(handle.num_sent, hidden), "masked_shadow": f(handle.num_shadow, hidden),
+            "masked_weights": torch.rand(tokens, k, device=device, generator=g), "regroup_rows": f(handle.num_sent, hidden)}
+
+
+def masked_outputs(name: str, case: dict, experts: int, grad: Any) -> dict[str, Any]:
+    """Forward and backward of dispatcher ``name``'s permute and combine on :func:`masked_case` (remote,
+    shadowed and dropped pairs), and of the regroup to expert-major order padded to 8 rows per slot (the
+    Triton ``fused_gather_rows``; indexing with zero padding for the torch path). ``grad`` scales every output."""
+    import torch
+
+    paths = _dispatchers(experts, ep=2, alignment=8)
+    d, plan = paths[name], paths["torch"].plan(case["index"], case["shadow_slot_of"])
+    x, back, shadow, w, rows = (case[n].detach().requires_grad_() for n in
+                                ("masked_x", "masked_back", "masked_shadow", "masked_weights", "regroup_rows"))
+    k = case["index"].shape[1]
+    permuted = d._permute(x, plan.order, plan.num_sent, k)
+    combined = d.finish_combine(back, w, plan, shadow)
+    index, destination, _, _ = paths["triton"].regroup_plan(plan, paths["triton"].table.slots_per_rank)
+    if name == "triton":
+        regrouped = d._kernels.fused_gather_rows(rows, index, destination)
+    else:
+        regrouped = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[torch.where(index >= 0, index, rows.shape[0])]
+    outputs = {"masked_permute": permuted, "masked_combine": combined, "padded_regroup": regrouped}
+    loss = sum((o.float() * grad).sum() for o in outputs.values())
+    gx, gback, gshadow, gw, grows = torch.autograd.grad(loss, (x, back, shadow, w, rows))
+    return {**{n: o.detach() for n, o in outputs.items()}, "masked_permute_backward": gx,
+            "masked_combine_backward_rows": gback, "masked_combine_backward_shadow": gshadow,
+            "masked_combine_backward_weights": gw, "padded_regroup_backward": grows}
 
 
 def _handle(batch: dict, tokens: int, k: int):
@@ -263,17 +328,22 @@ def kernel_equality(shape: tuple[int, int, int, int], dtypes: tuple[str, ...], d
     grads32 = (torch.randn(tokens * k, hidden, device=device, generator=g),
                torch.randn(tokens, hidden, device=device, generator=g))
     out: dict[str, Any] = {}
-    ref32 = permute_combine(paths["torch"], batch32, tokens, k, grads32)
-    tri32 = permute_combine(paths["triton"], batch32, tokens, k, grads32)
+    case = masked_case(tokens, hidden, k, experts, device)
+
+    def run(name: str, batch: dict, grads: tuple, masked: dict) -> dict[str, Any]:
+        return {**permute_combine(paths[name], batch, tokens, k, grads), **masked_outputs(name, masked, experts, 1.5)}
+
+    ref32 = run("torch", batch32, grads32, case)
+    tri32 = run("triton", batch32, grads32, case)
     out["float32"] = {name: {"rel_err": rel_err(tri32[name], ref32[name]), "tol": FP32_KERNEL_TOL} for name in ref32}
     del tri32
     if "bfloat16" in dtypes:
-        batch16 = _cast_batch(batch32, torch.bfloat16)
+        batch16, case16 = _cast_batch(batch32, torch.bfloat16), _cast_batch(case, torch.bfloat16)
         grads16 = tuple(t.to(torch.bfloat16) for t in grads32)
-        ref = permute_combine(paths["torch"], _cast_batch(batch16, torch.float32), tokens, k,
-                              tuple(t.float() for t in grads16))
-        torch16 = permute_combine(paths["torch"], batch16, tokens, k, grads16)
-        tri16 = permute_combine(paths["triton"], batch16, tokens, k, grads16)
+        ref = run("torch", _cast_batch(batch16, torch.float32), tuple(t.float() for t in grads16),
+                  _cast_batch(case16, torch.float32))
+        torch16 = run("torch", batch16, grads16, case16)
+        tri16 = run("triton", batch16, grads16, case16)
         out["bfloat16"] = {}
         for name in ref:
             torch_err = rel_err(torch16[name], ref[name])
@@ -458,14 +528,18 @@ def active_parameters(model) -> int:
     return dense + routed
 
 
-def train(model, optimizer, clip: Callable[[], object], batches: list, device: str) -> dict[str, Any]:
-    """Steps of loss / backward / clip / optimizer step; the first step is warm-up for the timing."""
+def train(model, optimizer, clip: Callable[[], object], batches: list, device: str,
+          first_grads: dict | None = None) -> dict[str, Any]:
+    """Steps of loss / backward / clip / optimizer step; the first step is warm-up for the timing. The first
+    step's gradients go into ``first_grads`` (fp32 copies), when given."""
     losses, times = [], []
     for ids in batches:
         synchronize(device)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if first_grads is not None and not losses:
+            first_grads.update(grads_fp32(model))
         clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -475,17 +549,44 @@ def train(model, optimizer, clip: Callable[[], object], batches: list, device: s
     return {"losses": losses, "step_seconds": statistics.median(times[1:] if len(times) > 1 else times)}
 
 
-def reference_run(base, batches: list, device: str) -> dict[str, Any]:
+def grads_fp32(model) -> dict[str, Any]:
+    """A copy of every parameter's gradient in fp32 (on the device: compared there)."""
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def fp32_grads(base, ids) -> dict[str, Any]:
+    """The gradients of an fp32 copy of ``base`` on ``ids`` (one forward and backward, no engine)."""
+    model = copy.deepcopy(base).float()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return grads_fp32(model)
+
+
+def grad_check(got: dict, exact: dict, spread: dict) -> dict[str, Any]:
+    """Per parameter ``||got - exact|| / ||exact||`` against ``max(SAFETY x spread, FP32_GRAD_TOL)``, where
+    ``spread`` is the same distance of the reference computed in the run's dtype (0 in fp32)."""
+    rels = {n: rel_err(got[n], exact[n]) for n in exact}
+    bounds = {n: max(SAFETY * spread.get(n, 0.0), FP32_GRAD_TOL) for n in exact}
+    worst = max(rels, key=lambda n: rels[n] / bounds[n])
+    return {"parameters": len(rels), "missing": sorted(set(exact) - set(got)), "worst": worst,
+            "worst_rel": rels[worst], "worst_bound": bounds[worst],
+            "violations": sorted(n for n in rels if not rels[n] <= bounds[n])}
+
+
+def reference_run(base, batches: list, device: str, first_grads: dict | None = None) -> dict[str, Any]:
     """A copy of ``base`` trained without the engine: fused AdamW, ``torch.nn.utils.clip_grad_norm_``."""
     import torch
 
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return train(model, optimizer, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), batches, device)
+    return train(model, optimizer, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), batches, device,
+                 first_grads)
 
 
-def engine_run(base, dispatcher: str, batches: list, sizes: Sizes, dtype_name: str) -> dict[str, Any]:
-    """One parallelized copy of ``base`` trained on ``batches``: losses, speed, memory, what ran."""
+def engine_run(base, dispatcher: str, batches: list, sizes: Sizes, first_grads: dict, from_cpu: bool
+               ) -> dict[str, Any]:
+    """One parallelized copy of ``base`` trained on ``batches``: losses, speed, memory, what ran; its first
+    step's gradients in ``first_grads``. With ``from_cpu`` the copy starts on the CPU and ``parallelize``
+    moves it to the rank's device (recorded)."""
     import torch
 
     import hf_hybrid_ep as hep
@@ -494,11 +595,14 @@ def engine_run(base, dispatcher: str, batches: list, sizes: Sizes, dtype_name: s
     if sizes.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     config = hep.HybridEPConfig(dispatcher=dispatcher, optimizer_sharding="zero1", bucket_size_mb=32.0)
-    model = hep.parallelize(copy.deepcopy(base), config).train()
+    model = copy.deepcopy(base).to("cpu") if from_cpu else copy.deepcopy(base)
+    model = hep.parallelize(model, config).train()
+    placed = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})
     optimizer = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-4)
-    result = train(model, optimizer, lambda: hep.clip_grad_norm_(model, 1.0), batches, sizes.device)
+    result = train(model, optimizer, lambda: hep.clip_grad_norm_(model, 1.0), batches, sizes.device, first_grads)
     state = hep.state_of(model)
     result.update({
+        "placed_on": placed, "started_on_cpu": from_cpu,
         "dispatcher_selected": state.layers[0].dispatcher.name,
         "optimizer": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
         "gradient_reduction": hep.comm_stats(model)["gradient_reduction"],
@@ -533,9 +637,14 @@ def section_engine(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     active = active_parameters(base)
     report.update(parameters=sum(p.numel() for p in base.parameters()), active_parameters=active,
                   tokens_per_step=batch * seq, steps=sizes.engine_steps)
-    runs = {"without engine": reference_run(base, batches, sizes.device)}
+    ref_grads: dict = {}
+    runs = {"without engine": reference_run(base, batches, sizes.device, ref_grads)}
+    exact = ref_grads if dtype_name == "float32" else fp32_grads(base, batches[0])
+    spread = {n: rel_err(ref_grads[n], exact[n]) for n in exact}
     for dispatcher in ("torch", "triton", "auto"):
-        runs[dispatcher] = engine_run(base, dispatcher, batches, sizes, dtype_name)
+        grads: dict = {}
+        runs[dispatcher] = engine_run(base, dispatcher, batches, sizes, grads, from_cpu=dispatcher == "auto")
+        runs[dispatcher]["first_step_grads"] = grad_check(grads, exact, spread)
     tol = LOSS_TOL[dtype_name]
     want = runs["without engine"]["losses"]
     for result in runs.values():
@@ -552,6 +661,13 @@ def section_engine(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     bad = {name: r["max_loss_rel_err"] for name, r in runs.items() if not r["max_loss_rel_err"] <= tol}
     if bad:
         raise AssertionError(f"losses differ from the model without the engine beyond {tol}: {bad}")
+    bad = {name: r["first_step_grads"] for name, r in runs.items()
+           if "first_step_grads" in r and (r["first_step_grads"]["violations"] or r["first_step_grads"]["missing"])}
+    if bad:
+        raise AssertionError(f"first-step gradients differ from the reference's beyond their bounds: {bad}")
+    device = "cuda:0" if sizes.device == "cuda" else "cpu"
+    if runs["auto"]["placed_on"] != [device]:
+        raise AssertionError(f"parallelize left a model built on the CPU on {runs['auto']['placed_on']}, not {device}")
     if runs["auto"]["dispatcher_selected"] != report["auto_expected"]:
         raise AssertionError(f"dispatcher='auto' picked {runs['auto']['dispatcher_selected']!r}, "
                              f"expected {report['auto_expected']!r}")
@@ -614,6 +730,14 @@ def decode_paths(path: Path, capacity: int, prompt, sizes: Sizes, dtype) -> dict
                                               strict=True))
     runs["hf_hybrid_ep offloaded"]["cache"] = cache_summary(offloaded)
     del offloaded
+    # the memory store (pageable host memory, loads staged through pinned buffers) from a model on the CPU
+    in_memory = hep.offload(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), capacity,
+                            device=sizes.device, prefetch=False)
+    placed = sorted({str(t.device) for t in (*in_memory.parameters(), *in_memory.buffers())})
+    runs[OFFLOAD_NO_PREFETCH] = dict(zip(("tokens", "seconds"), decode(in_memory, prompt, n, sizes.device),
+                                         strict=True))
+    runs[OFFLOAD_NO_PREFETCH].update(cache=cache_summary(in_memory), placed_on=placed)
+    del in_memory
     accel = cpu_offload(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(),
                         execution_device=torch.device(sizes.device))
     runs["accelerate cpu_offload"] = dict(zip(("tokens", "seconds"), decode(accel, prompt, n, sizes.device),
@@ -652,6 +776,160 @@ def section_offloaded_decoding(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     different = [name for name, run in report["float32"].items() if not run["identical_to_resident"]]
     if different:
         raise AssertionError(f"fp32 greedy tokens differ from the resident model's: {different}")
+    device = "cuda:0" if sizes.device == "cuda" else "cpu"
+    if report["float32"][OFFLOAD_NO_PREFETCH]["placed_on"] != [device]:
+        raise AssertionError(f"offload left tensors on {report['float32'][OFFLOAD_NO_PREFETCH]['placed_on']}")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# e. save and resume
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _step(model, optimizer, ids) -> float:
+    import hf_hybrid_ep as hep
+
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    hep.clip_grad_norm_(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _layer_expert_bytes(model) -> int:
+    import hf_hybrid_ep as hep
+
+    return max(sum(p.numel() * p.element_size() for p in layer.expert_parameters()) * layer.num_experts
+               // len(layer.local_experts) for layer in hep.state_of(model).layers)
+
+
+def _saved(model, optimizer, directory: Path, device: str) -> dict[str, Any]:
+    """Save ``model`` (streamed hybrid-EP checkpoint) and its optimizer state; the device memory the model save
+    allocated beyond what it found (CUDA only)."""
+    import torch
+
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.integrations.optimizer_state import save_optimizer_state
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    save_hybrid_checkpoint(model, directory / "model")
+    extra = torch.cuda.max_memory_allocated() - before if device == "cuda" else None
+    save_optimizer_state(model, optimizer, directory / "optimizer")
+    return {"save_peak_extra_bytes": extra, "layer_expert_bytes": _layer_expert_bytes(model)}
+
+
+def section_save_resume(sizes: Sizes, tmp: Path) -> dict[str, Any]:
+    """One step, a save (model and ZeRO-1 fused AdamW state), a resume through ``from_pretrained`` and
+    ``load_optimizer_state``, then one more step on the continued and on the resumed model: losses and every
+    parameter must agree (fp32, so only round-off could differ)."""
+    import torch
+
+    import hf_hybrid_ep as hep
+    from hf_hybrid_ep.integrations.optimizer_state import load_optimizer_state
+
+    config = hep.HybridEPConfig(optimizer_sharding="zero1")
+    model = hep.parallelize(build_model(sizes.decode_model, "cpu", torch.float32).train(), config)  # placed
+    optimizer = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    g = torch.Generator(device=sizes.device).manual_seed(9)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 32), device=sizes.device, generator=g) for _ in range(2)]
+    _step(model, optimizer, batches[0])
+    report = _saved(model, optimizer, tmp / "resume", sizes.device)
+    resumed = hep.from_pretrained(tmp / "resume" / "model", config)
+    resumed.set_attn_implementation(model.config._attn_implementation)
+    resumed.train()
+    resumed_optimizer = hep.make_optimizer(resumed, torch.optim.AdamW, resumed.parameters(), lr=1e-3)
+    load_optimizer_state(resumed, resumed_optimizer, tmp / "resume" / "optimizer")
+    report["placed_on"] = sorted({str(t.device) for t in (*model.parameters(), *resumed.parameters())})
+    report["step_devices"] = sorted({str(v.device) for st in resumed_optimizer.state.values() for k, v in st.items()
+                                     if k == "step"})
+    report["losses"] = [_step(m, o, batches[1]) for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
+    hep.wait_for_parameters(model)
+    hep.wait_for_parameters(resumed)
+    theirs = dict(resumed.named_parameters())
+    rels = {n: rel_err(theirs[n].detach(), p.detach()) for n, p in model.named_parameters()}
+    report.update(max_param_rel_err=max(rels.values()), worst_param=max(rels, key=rels.get), tol=FP32_GRAD_TOL)
+    device = "cuda:0" if sizes.device == "cuda" else "cpu"
+    problems = [f"parameters on {report['placed_on']}, not {device}"] if report["placed_on"] != [device] else []
+    if report["step_devices"] != [device]:
+        problems.append(f"fused AdamW's step on {report['step_devices']}, not {device}")
+    if not (report["max_param_rel_err"] <= FP32_GRAD_TOL
+            and abs(report["losses"][0] - report["losses"][1]) <= FP32_GRAD_TOL * abs(report["losses"][0])):
+        problems.append(f"resumed differs: losses {report['losses']}, {report['worst_param']} "
+                        f"{report['max_param_rel_err']:.3g}")
+    if report["save_peak_extra_bytes"] is not None and report["save_peak_extra_bytes"] > report["layer_expert_bytes"]:
+        problems.append(f"the save allocated {report['save_peak_extra_bytes']} device bytes, more than one layer's "
+                        f"experts ({report['layer_expert_bytes']})")
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# f. autocast over fp32 weights
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def grouped_gemm_dtypes():
+    """A ``TorchDispatchMode`` recording the input dtypes of every grouped GEMM run inside it (``.dtypes``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "grouped_mm" in func._overloadpacket.__name__:
+                self.dtypes.update(str(a.dtype).removeprefix("torch.") for a in args[:2] if hasattr(a, "dtype"))
+            return func(*args, **(kwargs or {}))
+
+    return Recorder()
+
+
+def section_autocast(sizes: Sizes) -> dict[str, Any]:
+    """The usual ``--bf16`` run: fp32 weights under ``torch.autocast(bfloat16)``. The engine's rows must travel in
+    bf16 (2·H bytes a row in the dispatcher's counters), its grouped GEMMs run in bf16, its gradients land in the
+    fp32 parameters within ``SAFETY`` x the bf16 round-off of the fp32 reference (the reference model under
+    autocast with eager experts, every expert GEMM an autocast ``F.linear``)."""
+    import torch
+
+    import hf_hybrid_ep as hep
+
+    base = build_model(sizes.decode_model, sizes.device, torch.float32).train()
+    ids = torch.randint(0, base.config.vocab_size, (2, 32), device=sizes.device,
+                        generator=torch.Generator(sizes.device).manual_seed(11))
+    exact = fp32_grads(base, ids)
+    reference = copy.deepcopy(base)
+    reference.set_experts_implementation("eager")
+    model = hep.parallelize(copy.deepcopy(base), hep.HybridEPConfig(dispatcher="torch"))
+    gemms = grouped_gemm_dtypes()
+    with torch.autocast(sizes.device, dtype=torch.bfloat16):
+        with gemms:
+            loss = model(input_ids=ids, labels=ids).loss
+        reference_loss = reference(input_ids=ids, labels=ids).loss
+    loss.backward()
+    reference_loss.backward()
+    spread = {n: rel_err(g, exact[n]) for n, g in grads_fp32(reference).items()}
+    counters = hep.layer_counters(hep.comm_stats(model))
+    report = {"grouped_gemm_dtypes": sorted(gemms.dtypes), "hidden": base.config.hidden_size,
+              "dispatch_bytes_per_row": sorted({c["dispatch"]["bytes_sent"] // c["dispatch"]["rows_sent"]
+                                                for c in counters if c["dispatch"]["rows_sent"]}),
+              "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+              "grads": grad_check(grads_fp32(model), exact, spread)}
+    problems = []
+    if report["grouped_gemm_dtypes"] != ["bfloat16"]:
+        problems.append(f"grouped GEMMs ran in {report['grouped_gemm_dtypes']}")
+    if report["dispatch_bytes_per_row"] != [2 * report["hidden"]]:
+        problems.append(f"{report['dispatch_bytes_per_row']} bytes a row, not 2·H = {2 * report['hidden']}")
+    if report["grad_dtypes"] != ["torch.float32"] or report["grads"]["violations"]:
+        problems.append(f"gradients: {report['grad_dtypes']}, {report['grads']}")
+    if problems:
+        raise AssertionError("; ".join(problems))
     return report
 
 
@@ -776,11 +1054,22 @@ def _decode_tables(r: dict) -> list[str]:
     return lines
 
 
+def _figure_table(r: dict) -> list[str]:
+    """Every scalar or list figure of a section, one row each."""
+    lines = ["| figure | value |", "|---|---|"]
+    for name, value in r.items():
+        if name not in ("status", "seconds"):
+            lines.append(f"| {name} | {_fmt(value)} |")
+    return lines
+
+
 SECTION_TABLES: dict[str, Callable[[dict], list[str]]] = {
     "a_dispatch_kernels": _kernel_tables,
     "b_experts_implementation": _experts_tables,
     "c_engine": _engine_tables,
     "d_offloaded_decoding": _decode_tables,
+    "e_save_resume": _figure_table,
+    "f_autocast": _figure_table,
 }
 
 
@@ -809,6 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
             "b_experts_implementation": lambda: section_experts_implementation(sizes),
             "c_engine": lambda: section_engine(sizes, Path(tmp)),
             "d_offloaded_decoding": lambda: section_offloaded_decoding(sizes, Path(tmp)),
+            "e_save_resume": lambda: section_save_resume(sizes, Path(tmp)),
+            "f_autocast": lambda: section_autocast(sizes),
         }
         report = {"meta": meta(sizes), "sections": {}}
         for name, fn in sections.items():
