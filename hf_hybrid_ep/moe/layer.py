@@ -256,9 +256,6 @@ class ShardedExperts:
         return torch.cat(outputs).to(hidden.dtype)
 
 
-ExpertParallelLayer = ShardedExperts  # its name before 0.2 (a transformers class has that name too)
-
-
 class SharedExpertOverlap:
     """Run a block's shared expert while the routed experts' return exchange is in flight.
 
