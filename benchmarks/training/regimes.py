@@ -169,7 +169,7 @@ def predict(run: dict, counts, regime: Regime, calibration: dict, fabric: dict, 
                              device_flops=calibration["flops_per_s"], efficiency=1.0, memory_gbps=memory_gbps,
                              optimizer_sharding=cfg.get("optimizer_sharding", "none"),
                              dense_sharding=cfg.get("dense_sharding", "replicate"), recipe="fp32-adamw",
-                             # runs recorded before the hierarchical dispatcher existed sent one row per pair
+                             # a report whose config names no dispatcher ran the plain all-to-all
                              dispatcher=cfg.get("dispatcher", "torch"),
                              exchange_overhead_s=calibration["exchange_overhead_s"])
 
