@@ -41,7 +41,7 @@ group would straddle a node boundary is left out). Bytes are split per GPU by th
   (``2·(g−1)/g · size`` over the intra-node link), then a ring over the N nodes on 1/g of the data
   (``2·(N−1)/N · size/g`` over the network; it crosses racks when the group spans racks).
 
-Communication time (``est_step_comm_s``, kept as it was): per level, bytes / that level's bandwidth
+Communication time without overlap (``est_step_comm_s``): per level, bytes / that level's bandwidth
 (GB/s per GPU); the levels of one collective are summed (NVLink, network and spine are used one after
 the other by a hierarchical collective), and the collectives of a step are summed (no overlap assumed).
 

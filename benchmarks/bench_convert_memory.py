@@ -8,7 +8,7 @@ subprocesses (peak RSS from getrusage):
 and the cost of verified loading: ``hep.from_pretrained`` of the converted checkpoint (every file,
 a world of one) with the sha256 check on and off, interleaved rounds in one process (page cache warm).
 
-    python benchmarks/convert_memory.py --workdir /tmp/convert-mem
+    python -m benchmarks.bench_convert_memory --workdir /tmp/convert-mem
 """
 
 from __future__ import annotations
