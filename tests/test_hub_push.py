@@ -21,6 +21,7 @@ def hub():
     stub.close()
 
 
+@pytest.mark.slow
 def test_convert_and_push_with_model_card(hub, tmp_path):
     src = save_source("mixtral", tmp_path / "src")
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN,
@@ -46,6 +47,7 @@ def test_convert_and_push_with_model_card(hub, tmp_path):
     assert hub.authorizations and all(a == f"Bearer {TOKEN}" for a in hub.authorizations)
 
 
+@pytest.mark.slow
 def test_convert_from_a_hub_repo_downloads_only_what_it_needs(hub, tmp_path):
     src = save_source("qwen3_moe", tmp_path / "src")
     served = {p.name: p.read_bytes() for p in src.iterdir()}
