@@ -199,6 +199,24 @@ def test_other_methods_are_refused_before_anything_is_written(sources, tmp_path,
             hep.from_pretrained(src, hep.HybridEPConfig())
 
 
+def test_a_hub_repo_is_refused_before_its_weights_are_downloaded(sources, tmp_path, monkeypatch):
+    from hub_stub import HubStub
+    from huggingface_hub import constants
+
+    src = _with_config(sources["qwen3_moe"][0], tmp_path, "src", {"quant_method": "gptq", "bits": 4})
+    hub = HubStub()
+    try:
+        hub.served["org/tiny-gptq"] = {p.name: p.read_bytes() for p in src.iterdir()}
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        _refused("org/tiny-gptq", tmp_path / "out", "org/tiny-gptq", "'gptq'")
+        assert hub.requested and not [f for f in hub.requested if f.endswith(".safetensors")], hub.requested
+    finally:
+        hub.close()
+
+
 def test_a_scale_grid_that_does_not_fit_is_refused_naming_the_tensor(sources, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(sources["deepseek_v3"][0], src)

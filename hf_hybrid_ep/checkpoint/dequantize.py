@@ -255,12 +255,15 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 ``blocks [E, N, G, 16]`` and e8m0 ``scales [E, N, G]`` as float32 ``[E, 32·G, N]`` (the model's
     layout: transformers' ``convert_moe_packed_tensors``, transpose included)."""
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
     experts, rows, groups, half = blocks.shape
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int32)  # [E, N, G, 16, 2]: low nibble first
-    values = lut[codes].reshape(experts, rows, groups, 2 * half)
+    values = _BYTE_PAIRS[blocks.to(torch.int32)].reshape(experts, rows, groups, 2 * half)
     values.mul_(e8m0_to_float32(scales)[..., None])
     return values.reshape(experts, rows, groups * 2 * half).transpose(1, 2)
+
+
+# byte -> (e2m1 value of its low nibble, of its high nibble): one lookup decodes both values of a byte
+_BYTE_PAIRS = torch.tensor([[FP4_E2M1_VALUES[b & 0x0F], FP4_E2M1_VALUES[b >> 4]] for b in range(256)],
+                           dtype=torch.float32)
 
 
 class Dequantizer:
@@ -329,7 +332,8 @@ class Dequantizer:
         tensor = self.tensors.get(name)
         if tensor is None:
             return raw.read(name, rows)
-        self.spec(name, raw.spec)
+        if len(self.spec(name, raw.spec).shape) < 3 and rows is not None:
+            raise CheckpointError(f"{name}: rows of a two-dimensional quantized tensor have no scales of their own")
         data, scale = raw.read(tensor.data, rows), raw.read(tensor.scale, rows)
         if self.quantization.method == "fp8":
             wide = dequantize_fp8(data, scale, self.quantization.block)
