@@ -27,10 +27,12 @@ from quantized_fixtures import (
 from safetensors.torch import load_file, save_file
 from test_checkpoint import _tensors
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
 from hf_hybrid_ep.checkpoint import convert as convert_module
+from hf_hybrid_ep.checkpoint.dequantize import dequantize_fp8
 from hf_hybrid_ep.checkpoint.inspect import format_summary, inspect_checkpoint
 from hf_hybrid_ep.cli import main as cli
 from hf_hybrid_ep.planning.planner import plan
@@ -83,6 +85,27 @@ def test_every_tensor_equals_the_reference_dequantization(sources, converted, fa
     assert set(out) == (set(plain) | set(quantized)) - {MTP_KEY}
 
 
+def test_fused_fp8_expert_tensors_are_dequantized_one_expert_at_a_time(tmp_path):
+    """Experts stored fused (``[E, 2I, H]`` with ``[E, 2I/16, H/16]`` scales, as transformers saves FP8
+    experts) are read, dequantized and written expert by expert, and equal the reference."""
+    model = build("qwen3_moe")
+    model.config.save_pretrained(tmp_path / "src")
+    tensors, want = {}, {}
+    for key, value in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            pairs = [quantize_fp8(expert, BLOCK, torch.float8_e4m3fn, torch.float32) for expert in value]
+            tensors[key], tensors[key + "_scale_inv"] = (torch.stack(list(t)) for t in zip(*pairs, strict=True))
+            want[key] = torch.stack([reference_fp8(q, s, BLOCK, torch.bfloat16) for q, s in pairs])
+        else:
+            tensors[key] = value
+    save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    _with_config(tmp_path / "src", tmp_path, "fused", {"quant_method": "fp8", "weight_block_size": list(BLOCK)})
+    out = hep.convert_checkpoint(tmp_path / "fused", tmp_path / "out", ep_degree=2, progress=False)
+    assert read_index(out).hybrid_ep.storage == "fused"
+    got = _tensors(out)
+    assert want and all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_float32_output_is_the_exact_product(sources, tmp_path):
     src, quantized = sources["deepseek_v3"]
     out = hep.convert_checkpoint(src, tmp_path / "fp32", ep_degree=1, dtype="float32", progress=False)
@@ -120,6 +143,11 @@ def test_transformers_fp8_dequantization_misassigns_clipped_blocks(sources, conv
     out = _tensors(converted["deepseek_v3"])
     for key in differ:  # ours is the reference dequantization (checked in full above)
         assert torch.equal(out[key], reference_fp8(*quantized[key], BLOCK, torch.bfloat16))
+    # where the grid does not divide the rows (40 over 3 block rows; DeepSeek-V3's 576 over 5) it raises
+    q, s = quantize_fp8(torch.randn(40, 16), BLOCK, torch.float8_e4m3fn, torch.float32)
+    with pytest.raises(ValueError, match="not divisible"):
+        Fp8Dequantize(None)._dequantize_one(q, s)
+    assert torch.equal(dequantize_fp8(q, s, BLOCK), reference_fp8(q, s, BLOCK, torch.float32))
 
 
 def test_reshard_and_export_of_a_converted_checkpoint_are_bit_exact(converted, tmp_path):
