@@ -17,6 +17,8 @@ import dist_cases as cases
 import pytest
 import torch
 from quantized_fixtures import (
+    SCALE_DTYPES,
+    WEIGHT_DTYPES,
     build,
     quantize_fp8,
     reference_fp8,
@@ -83,6 +85,9 @@ def test_every_tensor_equals_the_reference_dequantization(sources, converted, fa
              and k not in quantized}
     assert plain and all(torch.equal(out[k], v) and out[k].dtype == v.dtype for k, v in plain.items())
     assert set(out) == (set(plain) | set(quantized)) - {MTP_KEY}
+    if family == "deepseek_v3":  # every weight and scale dtype is read
+        assert {q.dtype for q, _ in quantized.values()} == set(WEIGHT_DTYPES)
+        assert {s.dtype for _, s in quantized.values()} == set(SCALE_DTYPES)
 
 
 def test_fused_fp8_expert_tensors_are_dequantized_one_expert_at_a_time(tmp_path):
@@ -214,7 +219,7 @@ def _with_config(src: Path, tmp_path: Path, name: str, quantization_config: dict
     ("awq", {"bits": 4}, ["'awq'", "unquantized model it was made from"]),
     ("bitsandbytes", {"load_in_4bit": True}, ["'bitsandbytes'", "BitsAndBytesConfig"]),
     ("compressed-tensors", {"config_groups": {"group_0": {"weights": {"strategy": "channel", "num_bits": 8}}}},
-     ["'compressed-tensors' (weights strategy 'channel')", "per tensor or per channel"]),
+     ["'compressed-tensors' (weights strategy 'channel')", "per tensor, per channel or per group"]),
     ("fp8", {}, ["no weight_block_size", "per tensor"]),
     ("fp8", {"weight_block_size": [128, 128], "activation_scheme": "static"}, ["activation_scheme 'static'"]),
 ])

@@ -50,9 +50,12 @@ _REFUSALS = {
     "gptq": _POST_TRAINING, "awq": _POST_TRAINING, "aqlm": _POST_TRAINING, "vptq": _POST_TRAINING,
     "hqq": _POST_TRAINING, "eetq": _POST_TRAINING, "higgs": _POST_TRAINING, "spqr": _POST_TRAINING,
     "auto-round": _POST_TRAINING, "quark": _POST_TRAINING, "sinq": _POST_TRAINING,
-    "bitsandbytes": ("bitsandbytes quantizes at load time: convert the unquantized checkpoint, and pass a "
-                     "BitsAndBytesConfig when loading it if you want that"),
-    "compressed-tensors": _PER_CHANNEL_FP8, "fbgemm_fp8": _PER_CHANNEL_FP8,
+    "bitsandbytes": ("convert the unquantized checkpoint it was made from (bitsandbytes is a load-time format: "
+                     "pass a BitsAndBytesConfig when loading the converted one if you want it)"),
+    "compressed-tensors": ("compressed-tensors keeps its scales in its own layout (weight_scale per tensor, per "
+                           "channel or per group), which hf_hybrid_ep does not read; load it with transformers' own "
+                           "decompression and save_pretrained it in bfloat16, or convert the unquantized release"),
+    "fbgemm_fp8": _PER_CHANNEL_FP8,
 }
 
 
@@ -120,9 +123,9 @@ def _fp8_block(qc: dict[str, Any], where: str) -> tuple[int, int]:
         raise CheckpointError(f"{where}: quantization_config.weight_block_size must be two positive integers, "
                               f"got {block!r}")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise CheckpointError(f"{where}: quantization_config.activation_scheme {qc['activation_scheme']!r}: its "
-                              "static activation scales have no place in a dequantized model; only 'dynamic' "
-                              "FP8 checkpoints are dequantized")
+        raise CheckpointError(f"{where}: quantization_config.activation_scheme {qc['activation_scheme']!r} (a "
+                              "checkpoint with activation scales) is not read; block-FP8 is read with 'dynamic' "
+                              "activations, as DeepSeek's and Qwen's releases have")
     return int(block[0]), int(block[1])
 
 
