@@ -46,8 +46,17 @@ def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
         placement_summary=placement_summary,
         storage=meta.storage,
         dtype=meta.dtype,
+        weights=_weights_origin(meta.source),
         repo_id=repo_id,
     )
+
+
+def _weights_origin(source: dict) -> str:
+    """Where the weights' values come from: ``dequantized from fp8 block 128×128 to bfloat16`` or as is."""
+    record = source.get("dequantized_from")
+    if not record:
+        return "as in the source"
+    return f"dequantized from {record['description']} to {record['dtype']} (hf-hybrid-ep convert)"
 
 
 def push_to_hub(
