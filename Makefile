@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test test-fast lint demo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+
+# Everything but the cases marked slow (a quicker loop while developing; CI runs `make test`).
+test-fast: $(STAMP) lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not slow" tests
 
 # The embedded demo through the real launcher: 2 CPU processes (gloo). `--cpu --num_processes N`
 # would silently start one process; ACCELERATE_USE_CPU=1 with --multi_gpu starts N on the CPU.

@@ -4,8 +4,8 @@ Records, during sampled decoding (one prompt at a time), which experts each MoE 
 step (one trace per layer and prompt), replays the traces through every policy at several capacities, and plots hit rate against
 capacity.
 
-    python benchmarks/bench_cache.py --model runs/demo/checkpoint-30 --out bench_cache   # a trained model
-    python benchmarks/bench_cache.py --out bench_cache                                  # the demo config
+    python -m benchmarks.bench_cache --model runs/demo/checkpoint-30 --out bench_cache   # a trained model
+    python -m benchmarks.bench_cache --out bench_cache                                  # the demo config
 
 ``--prefetch-capacity N`` also decodes the same prompts offloaded (N resident experts per layer, experts
 memory-mapped from a checkpoint written to the output directory) with and without prefetch, and reports
@@ -14,7 +14,7 @@ the prediction's recall and the hit rates.
 Hot-expert shadowing in training (bytes crossing ranks per step with and without ``shadow_experts``, on a
 skewed workload: a tiny GPT-OSS whose router bias makes two experts draw most tokens)::
 
-    torchrun --standalone --nproc_per_node 4 benchmarks/bench_cache.py --shadow --out bench_cache_shadow
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_cache --shadow --out bench_cache_shadow
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig
 
 import hf_hybrid_ep as hep
+from benchmarks.common.demo import DEMO_ASSETS
 from hf_hybrid_ep.inference.offload import POLICIES, replay
 from hf_hybrid_ep.moe.discovery import find_experts_modules
 from hf_hybrid_ep.moe.routing import find_router
-
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "scripts" / "demo_assets"
 
 
 def record_traces(model, prompts: torch.Tensor, new_tokens: int) -> dict[str, list[list[int]]]:
@@ -235,7 +234,7 @@ def main() -> None:
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model)
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_CONFIG))
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_ASSETS))
     model.eval()
     vocab = model.config.vocab_size
     prompts = torch.randint(3, vocab, (args.prompts, 8), generator=torch.Generator().manual_seed(0))

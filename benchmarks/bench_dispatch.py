@@ -3,13 +3,13 @@
 CPU (always): one process. (1) A tiny-but-not-trivial Qwen3-MoE layer stack; forward + backward time of
 our EP path (world of one: the exchange is the identity, the permute/combine glue and the grouped GEMM
 run), transformers' ``grouped_mm`` and ``eager`` experts implementations — as ratios in one run.
-(2) One MoE block (router + experts) alone at the shape of ``bench_training.py``'s model, forward and
+(2) One MoE block (router + experts) alone at the shape of ``bench_training``'s model, forward and
 forward + backward, same three paths.
 CUDA (when a GPU is present): permute and unpermute-combine GB/s of the Triton kernels and of the
 torch path for T = 16k tokens, H = 4096, k = 8, E = 64, against a measured device-to-device copy
-(median of per-call ``torch.cuda.Event`` timings; ``benchmarks/gpu_check.py`` reuses these helpers).
+(median of per-call ``torch.cuda.Event`` timings, :mod:`benchmarks.common.kernels`).
 
-    python benchmarks/bench_dispatch.py --json bench_dispatch.json
+    python -m benchmarks.bench_dispatch --json bench_dispatch.json
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import copy
 import json
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_hybrid_ep as hep
+from benchmarks.common.kernels import copy_seconds, cuda_seconds, routed_batch
 
 
 def _time(fn, repeat: int) -> float:
@@ -69,7 +69,7 @@ def cpu_comparison(repeat: int) -> dict:
 
 def cpu_layer_comparison(repeat: int, tokens: int = 512, hidden: int = 512, experts: int = 16, width: int = 512,
                          top_k: int = 2) -> dict:
-    """One MoE block (router + experts) alone, at the shape of ``bench_training.py``'s model: forward, and
+    """One MoE block (router + experts) alone, at the shape of ``bench_training``'s model: forward, and
     forward + backward (input and weight gradients), per expert path. Same weights, same input."""
     config = Qwen3MoeConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
                             moe_intermediate_size=width, num_hidden_layers=1, num_attention_heads=8,
@@ -111,49 +111,6 @@ def cpu_layer_comparison(repeat: int, tokens: int = 512, hidden: int = 512, expe
         base_t = medians["transformers grouped_mm"]
         report[label] = {name: {"seconds": t, "ratio_vs_grouped_mm": t / base_t} for name, t in medians.items()}
     return report
-
-
-def cuda_seconds(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median seconds of one call of ``fn`` on the current CUDA stream (``torch.cuda.Event`` timing, one
-    warm-up call, ``reps`` timed calls each bracketed by its own events)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
-
-
-def routed_batch(tokens: int, hidden: int, k: int, experts: int, device: torch.device | str,
-                 dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random routing problem: ``x`` [T, H] activations, ``index`` [T, k] expert ids in ``[0, E)``,
-    ``weights`` [T, k] in ``[0, 1)`` (``dtype``), ``order`` [T*k] the stable expert sort of the flat pairs,
-    ``position`` [T*k] its inverse, ``rows`` [T*k, H] expert outputs in destination order."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    index = torch.randint(0, experts, (tokens, k), device=device, generator=g)
-    _, order = torch.sort(index.reshape(-1), stable=True)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=device)
-    return {
-        "x": torch.randn(tokens, hidden, device=device, dtype=torch.float32, generator=g).to(dtype),
-        "index": index,
-        "weights": torch.rand(tokens, k, device=device, generator=g).to(dtype),
-        "order": order,
-        "position": position,
-        "rows": torch.randn(tokens * k, hidden, device=device, dtype=torch.float32, generator=g).to(dtype),
-    }
-
-
-def copy_seconds(numel: int, dtype: torch.dtype, reps: int = 20) -> float:
-    """Median seconds of a device-to-device copy of ``numel`` elements (reads and writes ``numel`` each)."""
-    src = torch.empty(numel, device="cuda", dtype=dtype)
-    dst = torch.empty_like(src)
-    return cuda_seconds(lambda: dst.copy_(src), reps)
 
 
 def cuda_bandwidth() -> dict:

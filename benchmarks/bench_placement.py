@@ -18,7 +18,7 @@ per token, and per-rank load imbalance (max/mean; over all layers summed, and th
     HF_HYBRID_EP_COACTIVATION_STATS=true ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 \\
         accelerate launch --multi_gpu --num_processes 2 scripts/train.py --output_dir runs/placement_demo \\
         --max_steps 80 --save_steps 80 ...   # the demo's other flags (see docs/benchmarks.md)
-    python benchmarks/bench_placement.py --run runs/placement_demo --json placement_results.json
+    python -m benchmarks.bench_placement --run runs/placement_demo --json placement_results.json
 
 ``--init-wide DIR`` writes a randomly initialised wider variant of the demo model (32 experts, top-4,
 4 layers) to train the same way with ``--model_name_or_path DIR --tokenizer_name <demo run>/tokenizer``.
@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.common.demo import demo_config
 from hf_hybrid_ep.dispatch import PlacementTable
 from hf_hybrid_ep.metrics import read_jsonl
 from hf_hybrid_ep.parallel.topology import Topology
@@ -47,17 +48,14 @@ from hf_hybrid_ep.planning.placement import (
     trace_traffic,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def record_traces(checkpoint: Path, tokenizer_dir: Path, block_size: int = 64, max_blocks: int = 512,
                   batch: int = 32) -> dict[str, list[np.ndarray]]:
     """Top-k indices ``[T, k]`` per MoE layer of the trained model over the demo corpus (one process)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train import demo_corpus, pack
     from transformers import AutoTokenizer
 
     import hf_hybrid_ep as hep
+    from scripts.train import demo_corpus, pack
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     blocks = pack(demo_corpus(), tokenizer, block_size, "text")["input_ids"][:max_blocks]
@@ -160,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-wide", type=Path, default=None, help="write the wide demo variant here and exit")
     args = parser.parse_args(argv)
     if args.init_wide is not None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(ROOT / "scripts" / "demo_assets")
-        config.num_experts, config.num_experts_per_tok, config.num_hidden_layers = 32, 4, 4
+        config = demo_config(wide=True)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(args.init_wide)
         print(f"wrote {args.init_wide}")

@@ -1,11 +1,11 @@
 """Online rebalancing, measured: real training at world 4, and its routing replayed at simulated EP 8.
 
-    python benchmarks/bench_rebalance.py --model demo --steps 80 --every 10 --json bench_rebalance_demo.json
-    python benchmarks/bench_rebalance.py --model wide --steps 80 --every 10 --json bench_rebalance_wide.json
+    python -m benchmarks.bench_rebalance --model demo --steps 80 --every 10 --json bench_rebalance_demo.json
+    python -m benchmarks.bench_rebalance --model wide --steps 80 --every 10 --json bench_rebalance_wide.json
 
 1. **Real training** (``torchrun``, 4 processes, one EP group of 4 over two emulated nodes
    ``gpus_per_node=2``): the demo model (tiny Qwen3-MoE, 8 experts top-2, 2 layers) or its wide variant
-   (32 experts top-4, 4 layers; ``bench_placement.py --init-wide``) on the demo corpus, AdamW, the same
+   (32 experts top-4, 4 layers; ``bench_placement --init-wide``) on the demo corpus, AdamW, the same
    seed and batches twice in one launch: a static run (contiguous) and an online run
    (``rebalance_every``, ``rebalance_replicas=4``); co-activation statistics on in both. Every step's top-k
    indices of every rank are recorded. Reported: the losses of both runs (they must agree to round-off),
@@ -38,19 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common.demo import ROOT, demo_blocks, demo_config
+
 SIM_TOPOLOGY = "racks=2,nodes_per_rack=2,gpus_per_node=2"
 REAL_TOPOLOGY = "gpus_per_node=2"
 WORLD = 4
-
-
-def _model_config(kind: str):
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(ROOT / "scripts" / "demo_assets")
-    if kind == "wide":
-        config.num_experts, config.num_experts_per_tok, config.num_hidden_layers = 32, 4, 4
-    return config
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -71,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
     out: dict = {}
     for mode in ("static", "online"):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_model_config(args.model))
+        model = AutoModelForCausalLM.from_config(demo_config(wide=args.model == "wide"))
         model.train()
         online = mode == "online"
         config = hep.HybridEPConfig(dp_degree=1, ep_degree=world, topology=REAL_TOPOLOGY,
@@ -258,20 +250,16 @@ def _run_real(args: argparse.Namespace) -> tuple[Path, float]:
     """The demo corpus in blocks of 64 tokens, then the static and online runs under torchrun (``WORLD``
     processes). → (their directory: ``real.json``, ``traces_static.npz``, ``traces_online.npz``; the
     ``time.time()`` at launch)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train import demo_corpus, demo_tokenizer, pack
-
     work = Path(tempfile.mkdtemp(prefix="bench_rebalance_"))
-    corpus = demo_corpus()
-    tokenizer = demo_tokenizer(corpus, work / "tokenizer")
-    blocks = np.array(pack(corpus, tokenizer, 64, "text")["input_ids"], dtype=np.int64)
-    np.savez(work / "data.npz", blocks=blocks)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), __file__,
+    np.savez(work / "data.npz", blocks=demo_blocks(64, work / "tokenizer"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+           "-m", "benchmarks.bench_rebalance",
            "--worker", "--model", args.model, "--steps", str(args.steps), "--every", str(args.every),
            "--batch", str(args.batch), "--data", str(work / "data.npz"), "--out", str(work),
            *(["--balance-only"] if args.balance_only else [])]
     started = time.time()
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # ``benchmarks`` in every rank
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     return work, started
 
 
@@ -323,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} must be ≥ 2 and --every {args.every} ≥ 1")
     work, started = _run_real(args)
     real = json.loads((work / "real.json").read_text())
-    config = _model_config(args.model)
+    config = demo_config(wide=args.model == "wide")
     E, k = config.num_experts, config.num_experts_per_tok
     traces = _load_traces(work / "traces_online.npz")
     result = {

@@ -4,7 +4,6 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and docs/architecture.md.
 """
 
-from . import _compat
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, ParallelDims
@@ -33,19 +32,14 @@ from .parallelize import (
     layer_counters,
     parallelize,
     reset_comm_stats,
-    routing_step,
     wait_for_parameters,
 )
 from .state import state_of
 
-_compat.install()  # the import paths of 0.1 (hf_hybrid_ep.planning.placement, ...) keep working
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    return _compat.moved_attribute(name)  # the 0.1 submodules as attributes (hf_hybrid_ep.cache, ...)
 
 __all__ = [
     "build_mesh",
@@ -78,7 +72,6 @@ __all__ = [
     "reset_comm_stats",
     "resize_offload",
     "after_optimizer_step",
-    "routing_step",
     "shard_optimizer",
     "ShardedOptimizer",
     "SafetensorsStore",

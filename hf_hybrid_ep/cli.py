@@ -33,7 +33,9 @@ def _add_checkpoint_commands(sub) -> None:
     p.add_argument("--ep-degree", type=int, default=None, help="EP ranks to lay the experts out for "
                    "(default: the placement's row count)")
     p.add_argument("--placement", default=None, help="placement.json (from `place`: a table per MoE layer or one) or a JSON table of rows")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="dtype of the floating tensors written (default: bfloat16 for weights dequantized from a "
+                   "quantized checkpoint, the source's dtype for the rest)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--max-shard-size-mb", type=int, default=5 * 1024, help="cap of dense and fused files")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the result to this repo")

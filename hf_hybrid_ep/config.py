@@ -9,9 +9,7 @@ before any process group or tensor is touched.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +192,6 @@ class HybridEPConfig:
             tokens for those experts are computed locally; gradients go back to the owners before the
             expert gradient reduction, so training stays faithful.
         shadow_capacity: at most this many shadows per rank and MoE layer.
-        (``expert_cache`` / ``expert_cache_capacity``: the deprecated names of these two.)
 
     Topology and placement statistics:
 
@@ -258,27 +255,18 @@ class HybridEPConfig:
             self._env_applied = True
         self._check_static()
 
-    def __getattr__(self, name: str) -> Any:  # only for names that are not attributes
-        if name in DEPRECATED_FIELDS:
-            return getattr(self, _successor(name))
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, _successor(name) if name in DEPRECATED_FIELDS else name, value)
-
     # ------------------------------------------------------------------ construction
     def _apply_env(self) -> None:
         """Fill every field still at its default from its environment twin."""
         for name, default in config_fields().items():
             if getattr(self, name) == default:
-                value = _env_twin(name, default)
+                value = _env_value(name, default)
                 if value is not None:
                     setattr(self, name, value)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HybridEPConfig:
         """Build from a mapping; unknown keys are an error that names them."""
-        data = rename_deprecated(data, "HybridEPConfig key")
         known = set(config_fields())
         unknown = sorted(set(data) - known)
         if unknown:
@@ -475,58 +463,7 @@ def env_values() -> dict[str, Any]:
     (the one environment parser: :class:`HybridEPConfig` and the Accelerate plugin both read it)."""
     values = {}
     for name, default in config_fields().items():
-        value = _env_twin(name, default)
+        value = _env_value(name, default)
         if value is not None:
             values[name] = value
     return values
-
-
-def _env_twin(name: str, default: Any) -> Any:
-    """:func:`_env_value` of field ``name``, else of its deprecated name's twin (with a warning)."""
-    value = _env_value(name, default)
-    old = _DEPRECATED_NAME_OF.get(name)
-    if value is None and old is not None:
-        value = _env_value(old, default)
-        if value is not None:
-            warnings.warn(f"{ENV_PREFIX}{old.upper()} is deprecated; use {ENV_PREFIX}{name.upper()}",
-                          DeprecationWarning, stacklevel=4)
-    return value
-
-
-DEPRECATED_FIELDS = {"expert_cache": "shadow_experts", "expert_cache_capacity": "shadow_capacity"}
-_DEPRECATED_NAME_OF = {new: old for old, new in DEPRECATED_FIELDS.items()}
-
-
-def _successor(name: str) -> str:
-    """The field that replaced the deprecated attribute ``name`` (with a ``DeprecationWarning``)."""
-    warnings.warn(f"HybridEPConfig.{name} is deprecated; use .{DEPRECATED_FIELDS[name]}", DeprecationWarning,
-                  stacklevel=3)
-    return DEPRECATED_FIELDS[name]
-
-
-def rename_deprecated(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``data`` with the deprecated field names replaced by their successors (with a
-    ``DeprecationWarning``).
-
-    Raises:
-        HybridEPConfigError: when a field is given under both names.
-    """
-    out = dict(data)
-    for old, new in DEPRECATED_FIELDS.items():
-        if old in out:
-            if new in out:
-                raise HybridEPConfigError(f"{where}s {old!r} and {new!r} name the same setting; give only {new!r}")
-            warnings.warn(f"{where} {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
-            out[new] = out.pop(old)
-    return out
-
-
-_dataclass_init = HybridEPConfig.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init_with_deprecated_names(self: HybridEPConfig, *args: Any, **kwargs: Any) -> None:
-    _dataclass_init(self, *args, **rename_deprecated(kwargs, "HybridEPConfig argument"))
-
-
-HybridEPConfig.__init__ = _init_with_deprecated_names

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 from .checkpoint.format import read_index
 from .errors import CheckpointError
 
-TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "hybrid_ep_model_card.md"
+# The repository's model_cards/ directory, shipped in the wheel as the package hf_hybrid_ep.model_cards.
+TEMPLATE = resources.files("hf_hybrid_ep.model_cards").joinpath("hybrid_ep_model_card.md")
 
 
 def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
-    """A ``huggingface_hub.ModelCard`` for the checkpoint, rendered from the package's ``model_cards/hybrid_ep_model_card.md``."""
+    """A ``huggingface_hub.ModelCard`` for the checkpoint, rendered from the repository's ``model_cards/hybrid_ep_model_card.md`` (package data of ``hf_hybrid_ep.model_cards``)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     if not TEMPLATE.is_file():
@@ -46,8 +48,17 @@ def render_model_card(ckpt_dir: str | os.PathLike[str], repo_id: str):
         placement_summary=placement_summary,
         storage=meta.storage,
         dtype=meta.dtype,
+        weights=_weights_origin(meta.source),
         repo_id=repo_id,
     )
+
+
+def _weights_origin(source: dict) -> str:
+    """Where the weights' values come from: ``dequantized from fp8 block 128×128 to bfloat16`` or as is."""
+    record = source.get("dequantized_from")
+    if not record:
+        return "as in the source"
+    return f"dequantized from {record['description']} to {record['dtype']} (hf-hybrid-ep convert)"
 
 
 def push_to_hub(

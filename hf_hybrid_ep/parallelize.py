@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -300,13 +299,6 @@ def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
         state.rebalancer.after_step(state.optimizer_steps, optimizer)
     if state.shadows is not None:
         state.shadows.refresh(counts)
-
-
-def routing_step(model: nn.Module, optimizer=None) -> None:
-    """Deprecated name of :func:`after_optimizer_step` (it does more than routing: shadows, rebalancing)."""
-    warnings.warn("hf_hybrid_ep.routing_step is deprecated; use hf_hybrid_ep.after_optimizer_step",
-                  DeprecationWarning, stacklevel=2)
-    after_optimizer_step(model, optimizer)
 
 
 def savable_state(model: nn.Module) -> dict[str, torch.Tensor]:

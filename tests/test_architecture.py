@@ -1,15 +1,10 @@
 """The package's shape, as docs/architecture.md describes it: layers that import only downwards, no
-import cycles, no function longer than 80 lines, and the 0.1 import paths still working."""
+import cycles, no function longer than 80 lines, no logic written twice."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import sys
-import warnings
 from pathlib import Path
-
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_hybrid_ep"
 
@@ -23,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("MoE layer", ("moe",)),
     ("orchestration", ("parallelize",)),
     ("artifacts and planning", ("checkpoint", "inference", "memory", "metrics", "planning")),
-    ("entry points", ("integrations", "hub", "cli", "_compat", "")),
+    ("entry points", ("integrations", "hub", "cli", "")),
 ]
 MAX_FUNCTION_LINES = 80
 
@@ -141,25 +136,6 @@ def test_no_function_is_longer_than_80_lines():
 def test_top_level_holds_at_most_a_dozen_modules():
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(modules) <= 12, modules
-
-
-@pytest.mark.parametrize("old", sorted(importlib.import_module("hf_hybrid_ep._compat").MOVED))
-def test_old_import_paths_still_work(old):
-    from hf_hybrid_ep._compat import MOVED
-
-    sys.modules.pop(old, None)  # the alias only; its successor stays imported
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert any(issubclass(w.category, DeprecationWarning) and old in str(w.message) for w in caught)
-    successors = [importlib.import_module(name) for name in MOVED[old]]
-    assert getattr(importlib.import_module("hf_hybrid_ep"), old.rpartition(".")[2]) is module  # hep.cache, ...
-    if len(successors) == 1:
-        assert module is successors[0]
-    for successor in successors:
-        public = [n for n in dir(successor) if not n.startswith("_")]
-        assert all(getattr(module, n) is getattr(successor, n) for n in public if hasattr(module, n))
-        assert any(hasattr(module, n) for n in public)
 
 
 def _logic_lines(path: Path) -> list[tuple[int, str]]:

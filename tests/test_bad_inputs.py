@@ -234,6 +234,7 @@ def test_the_same_inputs_made_good_are_accepted(tmp_path: Path, source: Path) ->
     train.check_hybrid_ep_file(str(_file(tmp_path, "ok.yaml", "hybrid_ep:\n  optimizer: {type: AdamW, lr: 0.1}\n")))
 
 
+@pytest.mark.slow
 def test_train_script_refuses_readme_before_distributed_work(tmp_path: Path) -> None:
     """The real command line: ``--train_file README.md`` exits 2 at once, listing the accepted suffixes."""
     start = time.monotonic()

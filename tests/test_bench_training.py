@@ -1,40 +1,31 @@
-"""`benchmarks/bench_training.py` cannot rot silently: its core run function trains one tiny hybrid layout
-on the flat fabric (2 real processes, gloo over loopback, host namespace, no root needed)."""
+"""The training benchmark (`benchmarks/training/`, run as `python -m benchmarks.bench_training`) cannot rot
+silently: its core run function trains one tiny hybrid layout on the flat fabric (2 real processes, gloo over
+loopback, host namespace, no root needed), each rank started as the benchmark's own module."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_training", ROOT / "benchmarks" / "bench_training.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_training"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.training.fabric import FlatFabric
+from benchmarks.training.goals import check_param_formula
+from benchmarks.training.launch import run_layout
+from benchmarks.training.runs import ModelArgs, RunSpec, StepArgs, model_bytes, save_checkpoint
 
 
 def test_bench_training_run_layout_flat(tmp_path):
-    bench = _bench()
-    model_args = bench.ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_experts=4,
+    model_args = ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_experts=4,
                                  moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2)
-    sizes = bench.model_bytes(model_args)
+    sizes = model_bytes(model_args)
     ckpt = str(tmp_path / "ckpt")
-    bench.save_checkpoint(model_args, ckpt)
-    step = bench.StepArgs(batch_per_rank=2, seq_len=16, warmup=1, steps=2, grad_accum=2, ranks_per_node=2,
+    save_checkpoint(model_args, ckpt)
+    step = StepArgs(batch_per_rank=2, seq_len=16, warmup=1, steps=2, grad_accum=2, ranks_per_node=2,
                           run_timeout_s=240)
-    spec = bench.RunSpec("ep2", "hybrid", 1, 2)
-    with bench.FlatFabric(2, netns=False) as fabric:
-        rec = bench.run_layout(spec, fabric, ckpt, step, 2, str(tmp_path))
+    spec = RunSpec("ep2", "hybrid", 1, 2)
+    with FlatFabric(2, netns=False) as fabric:
+        rec = run_layout(spec, fabric, ckpt, step, 2, str(tmp_path))
     assert rec["feasible"], rec.get("error")
     assert rec["samples_per_s"] > 0 and rec["tokens_per_s"] == rec["samples_per_s"] * 16
     # per-rank parameter bytes: dense + experts / ep, exactly, on every rank
     assert rec["param_bytes_each_rank"] == [sizes["dense_bytes"] + sizes["expert_bytes"] // 2] * 2
-    assert not bench.check_param_formula([rec], sizes)
+    assert not check_param_formula([rec], sizes)
     assert rec["grad_bytes_per_rank"] == rec["param_bytes_per_rank"]
     assert rec["optimizer_bytes_per_rank"] == 2 * rec["param_bytes_per_rank"]  # AdamW: exp_avg, exp_avg_sq
     # the collective meter agrees with the dispatcher's and the reducer's own counters
@@ -53,18 +44,17 @@ def test_bench_training_hierarchical_run_counts_what_trace_traffic_predicts(tmp_
     # crosses; token ids from a data file, routing recorded, the trained model saved
     import numpy as np
 
-    bench = _bench()
-    model_args = bench.ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_experts=8,
+    model_args = ModelArgs(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_experts=8,
                                  moe_intermediate_size=32, num_experts_per_tok=4, num_attention_heads=4,
                                  num_key_value_heads=2)
     ckpt, saved = str(tmp_path / "ckpt"), tmp_path / "saved"
-    bench.save_checkpoint(model_args, ckpt)
+    save_checkpoint(model_args, ckpt)
     np.savez(tmp_path / "data.npz", blocks=np.random.default_rng(0).integers(0, 256, (64, 16)))
-    step = bench.StepArgs(batch_per_rank=2, seq_len=16, warmup=1, steps=2, ranks_per_node=2, run_timeout_s=240,
+    step = StepArgs(batch_per_rank=2, seq_len=16, warmup=1, steps=2, ranks_per_node=2, run_timeout_s=240,
                           data=str(tmp_path / "data.npz"), record_routing=True, save_to=str(saved))
-    spec = bench.RunSpec("ep2-hier", "hybrid", 1, 2, {"dispatcher": "hierarchical", "topology": "gpus_per_node=1"})
-    with bench.FlatFabric(2, netns=False) as fabric:
-        rec = bench.run_layout(spec, fabric, ckpt, step, 2, str(tmp_path))
+    spec = RunSpec("ep2-hier", "hybrid", 1, 2, {"dispatcher": "hierarchical", "topology": "gpus_per_node=1"})
+    with FlatFabric(2, netns=False) as fabric:
+        rec = run_layout(spec, fabric, ckpt, step, 2, str(tmp_path))
     assert rec["feasible"], rec.get("error")
     phases = rec["phases_per_step_all_ranks"]
     rows = phases["dispatch_inter"]["remote_rows_sent"]

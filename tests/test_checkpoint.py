@@ -76,7 +76,7 @@ def test_vanilla_from_pretrained_gives_identical_logits(source, tmp_path):
 
 def test_dtype_cast(tmp_path):
     src = save_source("qwen3_moe", tmp_path / "src")
-    out = hep.convert_checkpoint(src, tmp_path / "bf16", ep_degree=2, dtype="bf16", progress=False)
+    out = hep.convert_checkpoint(src, tmp_path / "bf16", ep_degree=2, dtype="bfloat16", progress=False)
     assert read_index(out).hybrid_ep.dtype == "bfloat16"
     original, converted = _tensors(src), _tensors(out)
     for key, value in original.items():

@@ -86,20 +86,3 @@ def test_shadow_env_twins(monkeypatch):
     monkeypatch.setenv("HF_HYBRID_EP_SHADOW_CAPACITY", "3")
     config = HybridEPConfig()
     assert config.shadow_experts is True and config.shadow_capacity == 3
-
-
-def test_deprecated_field_names_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="'expert_cache' is deprecated; use 'shadow_experts'"):
-        config = HybridEPConfig(expert_cache=True, expert_cache_capacity=2)
-    assert (config.shadow_experts, config.shadow_capacity) == (True, 2)
-    with pytest.warns(DeprecationWarning):
-        assert HybridEPConfig.from_dict({"expert_cache_capacity": 4}).shadow_capacity == 4
-    with pytest.raises(HybridEPConfigError, match="'expert_cache' and 'shadow_experts' name the same setting"):
-        HybridEPConfig(expert_cache=True, shadow_experts=False)
-
-
-def test_expert_cache_env_twins(monkeypatch):  # the deprecated names of HF_HYBRID_EP_SHADOW_*
-    monkeypatch.setenv("HF_HYBRID_EP_EXPERT_CACHE", "true")
-    monkeypatch.setenv("HF_HYBRID_EP_EXPERT_CACHE_CAPACITY", "3")
-    config = HybridEPConfig()
-    assert config.expert_cache is True and config.expert_cache_capacity == 3

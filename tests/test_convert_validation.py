@@ -192,12 +192,12 @@ def test_a_tied_lm_head_may_be_absent(sources, tied):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-@pytest.mark.parametrize("dtype", [None, "bf16"])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_unmodified_checkpoints_still_convert(sources, tmp_path, family, dtype):
     out = hep.convert_checkpoint(sources[family], tmp_path / "out", ep_degree=2, dtype=dtype, progress=False)
     index = read_index(out)
     assert index.specs.keys() == read_index(sources[family]).specs.keys()
-    if dtype == "bf16":
+    if dtype == "bfloat16":
         assert index.hybrid_ep.dtype == "bfloat16"
 
 

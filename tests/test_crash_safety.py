@@ -32,6 +32,7 @@ def report(tmp_path_factory) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_a_crash_at_any_write_point_leaves_old_or_new(report, scenario):
     result = report[scenario]

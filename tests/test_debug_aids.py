@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dist_cases as cases
+import pytest
 
 
+@pytest.mark.slow
 def test_replicas_are_identical_after_training(pools):
     assert [r["message"] for r in pools(4).run(cases.replica_check, None, 0)] == [""] * 4
 
@@ -23,6 +25,7 @@ def test_divergent_expert_replica_is_named(pools):
             " rank(s) [3]" in r["message"], r
 
 
+@pytest.mark.slow
 def test_fp16_overflow_in_one_ranks_experts_skips_everywhere(pools):
     agreed = pools(2).run(cases.fp16_overflow_agreement, True)
     assert [r["skipped"] for r in agreed] == [True, True]

@@ -1,4 +1,4 @@
-"""`benchmarks/gpu_check.py` cannot rot before a GPU runs it: its ``--dry-run`` (CPU, tiny shapes, Triton
+"""`benchmarks/bench_gpu_check.py` cannot rot before a GPU runs it: its ``--dry-run`` (CPU, tiny shapes, Triton
 interpreter) runs every section, and a missing dependency stops it within seconds, naming what is missing."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import bench_gpu_check
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SECTIONS = ("a_dispatch_kernels", "b_experts_implementation", "c_engine", "d_offloaded_decoding", "e_save_resume",
             "f_autocast")
 MASKED = {"masked_permute", "masked_permute_backward", "masked_combine", "masked_combine_backward_rows",
@@ -25,16 +26,8 @@ MASKED = {"masked_permute", "masked_permute_backward", "masked_combine", "masked
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _assert_equalities(runs: list[dict], fp32_tol: float) -> None:
@@ -118,8 +111,7 @@ def test_without_cuda_fails_fast_suggesting_dry_run(tmp_path):
 
 
 def test_missing_package_is_named(monkeypatch):
-    gpu_check = _gpu_check_module()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
-    problems = gpu_check.missing_dependencies(dry_run=True)
+    problems = bench_gpu_check.missing_dependencies(dry_run=True)
     assert problems == ["the 'accelerate' package is not installed (pip install accelerate)"]

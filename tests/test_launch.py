@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_accelerate_launch_trains_and_saves(tmp_path):
     out = tmp_path / "run"
     accelerate = Path(sys.executable).parent / "accelerate"

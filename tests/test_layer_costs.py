@@ -2,9 +2,8 @@
 
 Counted for one layer's forward and backward at (dp, ep) = (2, 2) with the torch and Triton dispatchers:
 collectives per process group (``torch.distributed`` wrapped), and the ATen ops that synchronise the host
-with a CUDA device (under a ``TorchDispatchMode``; tests/sync_counting.py). Before this layout the forward
-also ran a world all-reduce (the finite check) and 4 (torch) / 12 (Triton) synchronising ops besides the
-two host reads.
+with a CUDA device (under a ``TorchDispatchMode``; tests/sync_counting.py). Neither direction runs a
+collective over the world; the forward reads the host once (the counts), the backward never.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ def test_hierarchical_layer_keeps_one_counts_exchange_and_one_host_read(pools, o
 
 @pytest.mark.parametrize("dispatcher", ["torch", "triton"])
 def test_pure_dp_layer_makes_no_collective(pools, dispatcher):
-    # ep = 1: every rank holds every expert, the exchanges are local copies (they used to be gloo calls on a
-    # one-rank group: 0.35–0.84 s per step of pure DP in the regime benchmarks)
+    # ep = 1: every rank holds every expert, so the exchanges are local copies, not collectives on a one-rank
+    # group (on gloo those cost pure DP 0.35–0.84 s per step in the regime benchmarks)
     for r in pools(4).run(sync_counting.layer_costs, dispatcher, 4):
         assert r["grads"]
         assert r["forward"]["collectives"] == {} and r["backward"]["collectives"] == {}, r

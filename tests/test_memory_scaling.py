@@ -91,6 +91,7 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_trainer_resumes_across_optimizer_sharding_and_layouts(pools, tmp_path):
     from safetensors.torch import load_file
 

@@ -31,6 +31,7 @@ def test_every_injected_fault_is_caught(pools, fault):
     assert caught, f"{fault} was not caught: {row}"
     assert set(caught) <= set(parity.CHECKS)
     if fault == "shadow_grads_not_returned":  # the shadows were really in use, so the fault had effect
+        assert all(len(r["shadow_steps"]) >= 2 for r in results), results
         assert all(step["rows_local"] > 0 for r in results for step in r["shadow_steps"][1:])
 
 

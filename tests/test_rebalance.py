@@ -105,25 +105,13 @@ def test_rebalance_settings_are_checked():
     assert hep.HybridEPConfig(rebalance_every=5).rebalancing and not hep.HybridEPConfig().rebalancing
 
 
-def _bench_rebalance():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rebalance.py"
-    spec = importlib.util.spec_from_file_location("bench_rebalance", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_rebalance"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_benchmark_replay_follows_drifting_routing():
     """``bench_rebalance.replay`` on traces whose hot experts change halfway: tables fitted on the first half go
     stale, online rebalancing (the library's own refit) follows; contiguous is the reference of the traffic."""
     import numpy as np
 
-    bench = _bench_rebalance()
+    from benchmarks import bench_rebalance as bench
+
     rng = np.random.default_rng(0)
 
     def step(hot):

@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "recsys_ctr"
 
 
+@pytest.mark.slow
 def test_smoke_run_learns_and_reports_the_oracle(tmp_path):
     out = tmp_path / "ctr.json"
     subprocess.run([sys.executable, str(EXAMPLE / "run.py"), "--smoke", "--moe-layout", "1x2", "--no-deployment",

@@ -1,20 +1,18 @@
-"""The benchmark regimes (`benchmarks/regimes.py`): their shapes hit the reference runs' T/T*, the bench's
+"""The benchmark regimes (`benchmarks/training/regimes.py`): their shapes hit the reference runs' T/T*, the bench's
 T* agrees with the step-time model's, and the committed regime results validate the step-time model."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import regimes as rg  # noqa: E402
+from benchmarks.training import regimes as rg
+from hf_hybrid_ep.planning.planner import count_parameters
+from hf_hybrid_ep.planning.step_time import compare
 
-from hf_hybrid_ep.planning.planner import count_parameters  # noqa: E402
-from hf_hybrid_ep.planning.step_time import compare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results"
 

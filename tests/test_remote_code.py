@@ -128,6 +128,7 @@ print("REPORT" + json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_cli_never_prompts_and_opting_in_does_run_the_code(clean, tmp_path):
     """The CLI (stdin answering "y" to any prompt) refuses without running code; with the opt-in the
     same checkpoint's code does run, so the trap above is live."""

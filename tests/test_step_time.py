@@ -1,5 +1,6 @@
 """The step-time model of ``hf-hybrid-ep plan``: every term against a hand computation for the two
-reference runs of the issue, the CLI output, bad inputs, and ``--calibrate``."""
+reference runs (Qwen3-30B-A3B on 2 × 8 H100, Mixtral-8x7B on 2 × 4), the CLI output, bad inputs, and
+``--calibrate``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hf_hybrid_ep.planning.step_time import calibrate_compute, compare, predict_
 
 PEAK = 989e12  # H100 SXM dense bf16, FLOP/s
 NVLINK, NIC = 450e9, 50e9  # bytes/s per GPU: NVLink 4 one way; one 400 Gbit/s NIC per GPU
-TOKENS = 4 * 2**20  # 4 Mi tokens per step = 1024 sequences of 4096 (the issue's "4 M" read as 4,000,000: see below)
+TOKENS = 4 * 2**20  # 4 Mi tokens per step = 1024 sequences of 4096 (the rough estimates read "4 M" as 4,000,000: see below)
 SEQ = 4096
 QWEN_TOPO = "gpus_per_node=8,nvlink_gbps=450,network_gbps=50"
 MIXTRAL_TOPO = "gpus_per_node=4,nvlink_gbps=450,network_gbps=50"
@@ -76,7 +77,7 @@ def _hand(c: dict, dp: int, ep: int, gpus_per_node: int, efficiency: float) -> d
 
 
 REFERENCES = {
-    # model, topology, GPUs per node, (hybrid dp, ep), pure EP ep, issue's estimates: T*, T/T*, r_x at 100 %, at 40 %
+    # model, topology, GPUs per node, (hybrid dp, ep), pure EP ep, rough estimates: T*, T/T*, r_x at 100 %, at 40 %
     "fine-grained": ("Qwen/Qwen3-30B-A3B", QWEN_TOPO, 8, (2, 8), 16, _qwen, (2.3e3, 110, 3.2, 1.3)),
     "coarse": ("mistralai/Mixtral-8x7B-v0.1", MIXTRAL_TOPO, 4, (2, 4), 8, _mixtral, (21.5e3, 23, 0.26, 0.10)),
 }
@@ -114,7 +115,7 @@ def test_reference_runs_match_a_hand_computation(name: str, efficiency: float) -
         assert (s.optimizer_s, s.step_s, s.samples_per_s) == (approx(h["optimizer"]), approx(h["step"]),
                                                               approx(h["samples_per_s"]))
     result = compare(steps[dp], steps[1])
-    # The issue's formula, term by term: T* = (E/ep_h) · 3I · b_g · 2(d−1)/d ÷ (4 · k · b_a · f_x), d = dp, f_x = 1/2
+    # The crossover's closed form, term by term: T* = (E/ep_h) · 3I · b_g · 2(d−1)/d ÷ (4 · k · b_a · f_x), d = dp, f_x = 1/2
     t_star = (c["E"] / ep_h) * 3 * c["I"] * 2 * (2 * (dp - 1) / dp) / (4 * c["k"] * 2 * 0.5)
     T = TOKENS // ep_pure
     pure = _hand(c, 1, ep_pure, gpn, efficiency)
@@ -122,14 +123,14 @@ def test_reference_runs_match_a_hand_computation(name: str, efficiency: float) -
     assert (result["T"], result["T_star"], result["T_over_T_star"]) == (T, approx(t_star), approx(T / t_star))
     assert result["r_x"] == approx(r_x)
     assert result["ratio"] == approx(pure["step"] / _hand(c, dp, ep_h, gpn, efficiency)["step"])  # samples/s
-    # Against the issue's estimates (±30 %). They differ from these verified values in two ways:
-    # * the issue took 4 M as 4,000,000 tokens (T/T* = 108.5 and 23.3); this test uses 4 Mi = 2^22 (a whole
+    # Against rough estimates by hand (±30 %). They differ from these verified values in two ways:
+    # * they take 4 M as 4,000,000 tokens (T/T* = 108.5 and 23.3); this test uses 4 Mi = 2^22 (a whole
     #   number of 4096-token sequences on every rank), so T/T* is 113.8 (fine-grained) and 24.4 (coarse);
     # * its r_x counts 6 · active parameters only. This model drops the input-embedding lookup (no FLOPs)
     #   and adds attention scores and values (12 · L · S · d_attn per token, S = 4096): for Qwen3-30B-A3B
     #   9.66 GFLOP/token on top of 18.25, so r_x = 2.23 at 100 % and 0.89 at 40 % instead of ≈ 3.2 and 1.3
     #   (outside ±30 %); without attention it is 3.41 / 1.36 (3.09 / 1.24 with the lookup counted as the
-    #   issue did). Mixtral: r_x = 0.250 / 0.100 (0.271 / 0.108 without attention), inside ±30 % either way.
+    #   estimates do). Mixtral: r_x = 0.250 / 0.100 (0.271 / 0.108 without attention), inside ±30 % either way.
     # Predicted hybrid / pure EP samples/s (both layouts as if they fit, no sharding): fine-grained 2.23 at
     # 100 %, 1.61 at 40 %; coarse 1.19 and 1.08.
     est_t_star, est_over, est_r100, est_r40 = estimates

@@ -24,6 +24,7 @@ def test_trainer_matches_single_process(pools, tmp_path):
     assert len(want) == 6
 
 
+@pytest.mark.slow
 def test_resume_at_the_same_or_another_ep_degree(pools, tmp_path):
     pool = pools(4)
     full = pool.run(cases.trainer_run, 2, 2, str(tmp_path / "run"), 6, 3)[0]["losses"]
@@ -39,6 +40,7 @@ def test_resume_at_the_same_or_another_ep_degree(pools, tmp_path):
             assert _rel(r["losses"][-3:], full[-3:]) <= cases.REL_TOL, (ep, r["losses"], full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
 def test_a_checkpoint_saved_after_rebalances_resumes_at_another_ep_degree(pools, tmp_path, optimizer_sharding):
     """Rebalances with replicas after every step; the step-3 checkpoint holds the tables and the optimizer

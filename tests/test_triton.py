@@ -106,6 +106,7 @@ def test_requested_backend_that_cannot_run_names_the_reason(monkeypatch):
         hep.parallelize(model, hep.HybridEPConfig(dispatcher="triton"))
 
 
+@pytest.mark.slow
 def test_triton_dispatcher_with_hot_expert_shadows(pools):
     # Shadow rows skip the Triton regroup (they run on the module's own experts implementation) and join
     # the returned rows before the fused unpermute-combine.

@@ -1,4 +1,5 @@
-"""The training-throughput benchmark (``python benchmarks/bench_training.py``), by job:
+"""The training-throughput harness behind ``python -m benchmarks.bench_training`` (and ``bench_hierarchical``),
+by job:
 
 * ``runs``: what is trained: layouts (``RunSpec``, ``default_runs``), the model (``ModelArgs``), step settings;
 * ``fabric``: the emulated fabrics (flat loopback; two network namespaces joined by a shaped veth);
@@ -9,9 +10,8 @@
 * ``goals``: the parameter-bytes check and the measured goals over the runs;
 * ``report``: the report's skeleton, its table, chart and JSON file;
 * ``session``: clean start, scratch checkpoint, each run recorded and logged;
-* ``regime``: ``--regime`` / ``--reevaluate`` (a named regime of ``benchmarks/regimes.py``);
+* ``regimes``: the named regimes (model shape, workload, memory budget, link rate) and the step-time model
+  checked against them (``python -m benchmarks.training.regimes REPORT…`` prints their tables and chart);
+* ``regime_run``: ``--regime`` / ``--reevaluate``: one named regime end to end;
 * ``main``: the command line (its docstring is the benchmark's ``--help``).
-
-Imported as the top-level package ``training`` with ``benchmarks/`` on ``sys.path`` (``bench_training.py`` puts it
-there), so that its modules also find ``regimes``.
 """

@@ -1,8 +1,8 @@
 """One run from outside: start one fresh process per rank on a fabric, wait for them (killing them after a failure
 or the timeout), and merge their records into the run's record.
 
-Each rank runs ``python benchmarks/bench_training.py --worker <job.json>`` (:data:`ENTRY`), which calls
-:func:`training.worker.worker`; ``job.json`` holds the run's spec, step settings, checkpoint and output dir.
+Each rank runs ``python -m benchmarks.bench_training --worker <job.json>`` (:data:`ENTRY`), which calls
+:func:`benchmarks.training.worker.worker`; ``job.json`` holds the run's spec, step settings, checkpoint and output dir.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .fabric import Fabric
 from .merge import merge
 from .runs import RunSpec, StepArgs
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: on the ranks' PYTHONPATH (``hf_hybrid_ep``)
-ENTRY = ROOT / "benchmarks" / "bench_training.py"  # the command line the ranks are started with
+ROOT = Path(__file__).resolve().parents[2]  # the repository: on the ranks' PYTHONPATH (``benchmarks``, ``hf_hybrid_ep``)
+ENTRY = "benchmarks.bench_training"  # the module the ranks are started as (``python -m``)
 THREAD_STACK_BYTES = 2 * 2**20
 FAILED_GRACE_S = 20  # after a rank fails, seconds the others get to record their own error before being killed
 
@@ -55,7 +55,7 @@ def _start_ranks(fabric: Fabric, world: int, out: Path) -> list[subprocess.Popen
     port = fabric.master_port()
     procs = []
     for rank in range(world):
-        cmd = [*fabric.prefix(rank), sys.executable, str(ENTRY), "--worker", str(out / "job.json")]
+        cmd = [*fabric.prefix(rank), sys.executable, "-m", ENTRY, "--worker", str(out / "job.json")]
         log = open(out / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen(cmd, env=_rank_env(fabric, rank, world, port), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True,

@@ -24,7 +24,7 @@ and the fraction of step time with a gloo collective in flight (from a ``torch.p
 
 Needs root for the namespaces (``ip netns``, ``tc``); ``--fabrics flat --no-netns`` runs without.
 
-    python benchmarks/bench_training.py --quick --json bench_training.json --chart docs/img/bench_training.png
+    python -m benchmarks.bench_training --quick --json bench_training.json --chart docs/img/bench_training.png
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ import shutil
 import sys
 import time
 
-from regimes import REGIMES
-
 from .fabric import Fabric, FlatFabric, TwoNodeFabric
 from .goals import check_param_formula, goals, overlap_goals
-from .regime import reevaluate, run_regime
+from .regime_run import reevaluate, run_regime
+from .regimes import REGIMES
 from .report import chart, new_report, table, write_json
 from .runs import AUTO_BUDGET_REPLICAS, ModelArgs, RunSpec, StepArgs, default_runs, model_bytes
 from .session import clean_start, run_logged, scratch_checkpoint
@@ -61,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="recompute a regime report's ratios, predictions and goals with the current code (the "
                              "measured runs are kept as they are) and rewrite the file")
     parser.add_argument("--regime", choices=sorted(REGIMES), default=None,
-                        help="a named regime (benchmarks/regimes.py): sets the model shape, the workload, the memory "
+                        help="a named regime (benchmarks/training/regimes.py): sets the model shape, the workload, the memory "
                              "budget and the link rate; runs the calibration run on the flat fabric, then the table "
                              "on the two-node fabric, and checks the step-time model against it")
     parser.add_argument("--fabrics", default="flat,two-node")

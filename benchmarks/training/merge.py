@@ -17,7 +17,7 @@ UNMEASURED = ("samples_per_s", "tokens_per_s", "comm_fraction", "a2a_bytes_per_s
 
 
 def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> dict:
-    """Per-rank records → one run record (schema of issue 9 plus breakdowns)."""
+    """Per-rank records → one run record (the fields of the report's table, plus their breakdowns)."""
     ok = all(r.get("status") == "ok" for r in ranks)
     oom = [r for r in ranks if r.get("status") == "out_of_memory"]
     rec: dict[str, Any] = {

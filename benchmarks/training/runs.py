@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .regimes import qwen3_moe_config
+
 # Default memory budget per rank, in units of one full replica's parameter bytes: its parameters, gradients and
 # two AdamW moments (4) plus half a replica for activations and communication buffers. A pure-DP rank needs the
 # 4 replicas of state plus its gradient all-reduce buffers and activations, so it does not fit.
@@ -45,15 +47,15 @@ def default_runs(world: int) -> list[RunSpec]:
     runs += [RunSpec(f"hybrid-dp{world // ep}-ep{ep}", "hybrid", world // ep, ep)
              for ep in range(2, world) if world % ep == 0]
     runs.append(RunSpec(f"ep{world}", "hybrid", 1, world))
-    # Memory scaling (issue 11): ZeRO-1 optimizer state, and FSDP2 dense weights on top of it.
+    # Memory scaling: ZeRO-1 optimizer state, and FSDP2 dense weights on top of it.
     runs += [RunSpec(f"hybrid-dp2-ep{world // 2}-zero1", "hybrid", 2, world // 2, {"optimizer_sharding": "zero1"}),
              RunSpec(f"hybrid-dp2-ep{world // 2}-fsdp-zero1", "hybrid", 2, world // 2,
                      {"optimizer_sharding": "zero1", "dense_sharding": "fsdp"})]
-    # Communication overlap (issue 16): every hybrid variant also with the blocking reduction, side by side.
+    # Communication overlap: every hybrid variant also with the blocking reduction, side by side.
     runs += [dataclasses.replace(r, name=f"{r.name}-blocking", config={**r.config, "overlap_grad_reduce": False})
              for r in runs if r.engine == "hybrid"]
     # The plain all-to-all in every arm, as recorded in the regime tables (auto would pick the hierarchical
-    # dispatcher for pure EP on the two-node fabric; benchmarks/bench_hierarchical.py compares the two).
+    # dispatcher for pure EP on the two-node fabric; bench_hierarchical compares the two).
     runs = [dataclasses.replace(r, config={"dispatcher": "torch", **r.config}) if r.engine == "hybrid" else r
             for r in runs]
     runs.append(RunSpec(f"hf-native-fsdp{world}-ep{world}", "hf-native", world, world,
@@ -80,8 +82,6 @@ class ModelArgs:
 
     def hf_config(self):
         """The transformers ``Qwen3MoeConfig`` of these fields (``regimes.qwen3_moe_config``)."""
-        from regimes import qwen3_moe_config
-
         return qwen3_moe_config(dataclasses.asdict(self))
 
 

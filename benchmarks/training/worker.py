@@ -1,7 +1,7 @@
 """One rank of one run, inside its own process: build the engine's model and optimizer, train the warm-up and
 timed steps, measure them, profile one more step, and write the rank's record (``rank{RANK}.json``).
 
-Started by :func:`training.launch.run_layout` as ``bench_training.py --worker <job.json>``, with ``RANK``,
+Started by :func:`benchmarks.training.launch.run_layout` as ``python -m benchmarks.bench_training --worker <job.json>``, with ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` / ``MASTER_PORT`` and the fabric's variables set.
 """
 

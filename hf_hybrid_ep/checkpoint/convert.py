@@ -9,16 +9,18 @@ OUT is left untouched.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -27,6 +29,7 @@ from ..dispatch.table import PlacementSpec, layer_tables, spec_of
 from ..errors import CheckpointError, HybridEPConfigError
 from ..moe.discovery import find_experts_modules
 from .atomic import check_output_free, open_checkpoint, staged_save
+from .dequantize import DEFAULT_DTYPE, Dequantizer, quantization_of
 from .format import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -34,6 +37,7 @@ from .format import (
     FileInfo,
     HybridEPMetadata,
     dense_file,
+    format_bytes,
     fused_file,
     rank_file,
     read_index,
@@ -41,14 +45,16 @@ from .format import (
 )
 from .layout import ModelExperts, classify_keys, model_experts, model_tensor_names
 from .manifest import save_metadata
-from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, sha256_file
+from .safetensors_io import StreamingSafetensorsWriter, TensorFiles, TensorSpec, sha256_file
 from .side_state import SIDE_FILE
 from .validate import validate_against_model
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry, generously
+logger = logging.getLogger("hf_hybrid_ep")
 
 
 def _cast(spec: TensorSpec, dtype: torch.dtype | None) -> TensorSpec:
@@ -74,8 +80,6 @@ def hub_metadata(repo_id: str, revision: str | None = None) -> tuple[Path, dict[
     the source record (repo id and resolved commit) and the weight files the checkpoint consists of."""
     if not _REPO_ID.match(repo_id):
         raise CheckpointError(f"{repo_id!r} is neither a checkpoint directory nor a Hub repo id")
-    import json
-
     from huggingface_hub import HfApi, hf_hub_download
 
     info = HfApi().model_info(repo_id, revision=revision, files_metadata=False)
@@ -102,9 +106,27 @@ def resolve_source(src: str | os.PathLike[str], revision: str | None = None) -> 
     from huggingface_hub import hf_hub_download
 
     root, source, weights = hub_metadata(str(src), revision)
+    _check_quantization(root, str(src))  # before downloading any weights
     for name in tqdm(weights, desc=f"download {src}", unit="file"):
         hf_hub_download(source["repo_id"], name, revision=source["revision"])
     return root, source
+
+
+def _check_quantization(root: Path, where: str) -> None:
+    """Refuse a quantization method that cannot be dequantized, reading only ``config.json``."""
+    config = root / "config.json"
+    if config.is_file():
+        try:
+            quantization_of(json.loads(config.read_text()), where)
+        except json.JSONDecodeError:
+            pass  # read_config names the file with transformers' own error
+
+
+def _drop_quantization_config(config: Path) -> None:
+    """Rewrite ``config.json`` without ``quantization_config`` (its weights are dequantized)."""
+    data = json.loads(config.read_text())
+    data.pop("quantization_config", None)
+    config.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _copy_side_files(src: Path, dst: Path, keep_hybrid_state: bool = True) -> None:
@@ -119,6 +141,24 @@ def _copy_side_files(src: Path, dst: Path, keep_hybrid_state: bool = True) -> No
             shutil.copy2(f, dst / f.name)
 
 
+@dataclass
+class _Tensors:
+    """What a rewrite writes: the tensors (dequantized where the source is quantized), their specs
+    (less the ``dropped`` keys the model never loads), and how to say so."""
+
+    dequantizer: Dequantizer
+    specs: dict[str, TensorSpec]
+    dropped: list[str]
+
+    @classmethod
+    def plain(cls, index: CheckpointIndex) -> _Tensors:
+        return cls(Dequantizer(None, index.specs), dict(index.specs), [])
+
+    def describe(self) -> str:
+        quantization = self.dequantizer.quantization
+        return "" if quantization is None else f", {quantization.describe()}"
+
+
 def _rewrite(
     index: CheckpointIndex,
     tmp: Path,
@@ -128,29 +168,39 @@ def _rewrite(
     dtype: torch.dtype | None,
     progress: bool,
     keep_hybrid_state: bool = True,
+    tensors: _Tensors | None = None,
 ) -> None:
     """Stream every tensor of a (checked) source index into the files ``plan`` lays out in the staging
-    directory ``tmp``, then ``finish`` (which writes the index). The caller commits ``tmp``."""
+    directory ``tmp``, then ``finish`` (which writes the index). The caller commits ``tmp``.
+
+    A dequantized tensor of three or more dimensions is read, dequantized and written one expert at a
+    time; any other tensor whole. Source files are opened one at a time (a scale stored in another
+    file opens that one too) and closed before the next."""
     src_dir = index.root
+    tensors = tensors or _Tensors.plain(index)
     open_checkpoint(src_dir, verify=True).check_all()
-    layout = plan({k: _cast(s, dtype) for k, s in index.specs.items()})
+    layout = plan({k: _cast(s, dtype) for k, s in tensors.specs.items()})
+    _check_space(index, tmp, layout, tensors, progress)
     writers: dict[str, StreamingSafetensorsWriter] = {}
     try:
         weight_map = {spec.name: file for file, specs in layout.items() for spec in specs}
         for file, specs in layout.items():
             writers[file] = StreamingSafetensorsWriter(tmp / file, specs, save_metadata(save_id))
-        total = sum(s.nbytes for s in index.specs.values())
+        by_file: dict[str, list[str]] = {}
+        for key in sorted(tensors.specs):
+            by_file.setdefault(index.weight_map[tensors.dequantizer.sources(key)[0]], []).append(key)
+        total = sum(s.nbytes for specs in layout.values() for s in specs)
         with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
-            for src_file in index.files:
-                keys = sorted(k for k, f in index.weight_map.items() if f == src_file)
-                with safe_open(index.path(src_file), framework="pt") as f:
-                    for key in keys:
-                        tensor = f.get_tensor(key)
-                        if dtype is not None and tensor.dtype.is_floating_point:
-                            tensor = tensor.to(dtype)
-                        writers[weight_map[key]].write(key, tensor)
-                        bar.update(index.specs[key].nbytes)
-                        del tensor
+            for src_file in sorted(by_file):
+                with TensorFiles(index.weight_map, index.path) as raw:
+                    for key in by_file[src_file]:
+                        for rows in tensors.dequantizer.chunks(tensors.specs[key]):
+                            tensor = tensors.dequantizer.read(raw, key, rows)
+                            if dtype is not None and tensor.dtype.is_floating_point:
+                                tensor = tensor.to(dtype)
+                            writers[weight_map[key]].write(key, tensor, 0 if rows is None else rows.start)
+                            bar.update(tensor.nbytes)
+                            del tensor
         for w in writers.values():
             w.close()
     except BaseException:
@@ -160,6 +210,34 @@ def _rewrite(
     infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in layout}
     _copy_side_files(src_dir, tmp, keep_hybrid_state)
     finish(tmp, weight_map, infos, sum(s.nbytes for specs in layout.values() for s in specs))
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes of the filesystem holding ``directory``."""
+    return shutil.disk_usage(directory).free
+
+
+def _check_space(index: CheckpointIndex, tmp: Path, layout: dict[str, list[TensorSpec]], tensors: _Tensors,
+                 progress: bool) -> None:
+    """State the output's size (and the keys left out) and refuse, before writing, when the output's
+    filesystem lacks the room for it."""
+    out = tmp.parent.parent / tmp.name  # the staging directory sits in a hidden sibling of OUT
+    specs = [s for group in layout.values() for s in group]
+    side = sum(f.stat().st_size for f in index.root.iterdir() if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES))
+    needed = sum(s.nbytes for s in specs) + side + _HEADER_BYTES_PER_TENSOR * len(specs)
+    source = sum(s.nbytes for s in index.specs.values())
+    message = (f"{out}: writing {format_bytes(needed)} in {len(layout)} files from {index.root.name} "
+               f"({format_bytes(source)}{tensors.describe()})")
+    if tensors.dropped:
+        message += (f"; leaving out {len(tensors.dropped)} key(s) the model does not load "
+                    f"({', '.join(tensors.dropped[:3])}{', ...' if len(tensors.dropped) > 3 else ''})")
+    logger.info(message)
+    if progress:
+        tqdm.write(message, file=sys.stderr)
+    free = free_bytes(tmp)
+    if free < needed:
+        raise CheckpointError(f"{out}: the output needs {format_bytes(needed)}, its filesystem has "
+                              f"{format_bytes(free)} free; free some space or write it elsewhere")
 
 
 def _source_record(src_dir: Path, source: dict[str, Any], index: CheckpointIndex) -> dict[str, Any]:
@@ -195,13 +273,21 @@ def convert_checkpoint(
     (``metadata.hybrid_ep.placement``: one table when every layer has the same, else per layer) and
     used by :func:`hf_hybrid_ep.from_pretrained` when the config names no placement.
 
+    A quantized source (``quantization_config`` block-FP8 or MXFP4, :mod:`.dequantize`) is dequantized
+    as it streams, one tensor or one expert at a time, to ``dtype`` (default ``"bfloat16"``; other
+    tensors keep their dtype unless ``dtype`` is given); the output's ``config.json`` has no
+    ``quantization_config`` and its index records the method (``source.dequantized_from``). Keys the
+    model never loads (DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*``) are left out.
+
     OUT is checked first (it must not exist or be empty) and claimed, so a concurrent convert into
-    it fails at once; the result is staged and renamed into place complete (:mod:`.atomic`). No code
-    the source's config names (``auto_map``) runs unless ``trust_remote_code=True``.
+    it fails at once; the output's size is stated (with ``progress``) and checked against the free
+    space of OUT's filesystem; the result is staged and renamed into place complete (:mod:`.atomic`).
+    No code the source's config names (``auto_map``) runs unless ``trust_remote_code=True``.
 
     Raises:
         CheckpointError: before anything is written, naming the file or key at fault (also for a
-            placement that does not fit the model or disagrees with ``ep_degree``).
+            placement that does not fit the model or disagrees with ``ep_degree``, a quantization
+            method that is not dequantized exactly, or too little free space).
     """
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -295,9 +381,34 @@ def convert_into(
     experts = model_experts(src_dir, trust_remote_code)
     tables = _placement_tables(placement, ep_degree, experts)
     index = read_index(src_dir)
-    validate_against_model(experts.model, index.specs, str(src_dir))
-    layout = HybridLayout(experts, tables, max_shard_bytes, _source_record(src_dir, source, index))
-    _rewrite(index, tmp, save_id, layout.plan, layout.finish, torch_dtype, progress)
+    tensors = _source_tensors(index, experts, dtype)
+    source = _source_record(src_dir, source, index)
+    if tensors.dequantizer.quantization is not None:
+        source["dequantized_from"] = tensors.dequantizer.quantization.record(tensors.dequantizer.dtype)
+    layout = HybridLayout(experts, tables, max_shard_bytes, source)
+
+    def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
+        layout.finish(tmp, weight_map, infos, total)
+        if tensors.dequantizer.quantization is not None and (tmp / "config.json").is_file():
+            _drop_quantization_config(tmp / "config.json")
+
+    _rewrite(index, tmp, save_id, layout.plan, finish, torch_dtype, progress, tensors=tensors)
+
+
+def _source_tensors(index: CheckpointIndex, experts: ModelExperts, dtype: torch.dtype | None) -> _Tensors:
+    """The source's tensors as the output holds them, checked against the model: quantized pairs
+    dequantized to ``dtype`` (default bfloat16), keys the model never loads left out.
+
+    Raises:
+        CheckpointError: for a quantization method or a tensor that cannot be dequantized exactly, or
+            a checkpoint that does not match the model (naming the keys).
+    """
+    where = str(index.root)
+    quantization = quantization_of(experts.model.config, where)
+    dequantizer = Dequantizer(quantization, index.specs, dtype or DEFAULT_DTYPE)
+    specs = dequantizer.specs(index.specs)
+    dropped = validate_against_model(experts.model, specs, where)
+    return _Tensors(dequantizer, {k: s for k, s in specs.items() if k not in set(dropped)}, dropped)
 
 
 def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degree: int | None,

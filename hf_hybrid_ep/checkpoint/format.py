@@ -31,6 +31,14 @@ READABLE_VERSIONS = (1, 2)
 PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)$")
 
 
+def format_bytes(n: float) -> str:
+    """A size in decimal units, three significant digits: ``689 GB``, ``1.34 TB``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"
+
+
 def dense_file(i: int, n: int) -> str:
     return f"model-dense-{i:05d}-of-{n:05d}.safetensors"
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointError
+from .dequantize import quantization_config_of, quantization_of
 from .format import read_index
 from .manifest import read_manifest, verify_checksums
 
@@ -31,6 +35,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
         "files": files,
         "checksums": manifest is not None or index.hybrid_ep is not None,
         "save_id": manifest["save_id"] if manifest else None,
+        "quantization": _quantization(index.root),
     }
     meta = index.hybrid_ep
     if meta is not None:
@@ -46,7 +51,27 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
             source=meta.source,
             verified=verify,
         )
+        summary["dequantized_from"] = (meta.source.get("dequantized_from") or {}).get("description")
     return summary
+
+
+def _quantization(root: Path) -> str | None:
+    """How ``root/config.json`` says the weights are quantized (``fp8 block 128×128``; a method convert
+    refuses is named as such); ``None`` when they are not."""
+    config = root / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except json.JSONDecodeError:
+        return None
+    qc = quantization_config_of(data)
+    if qc is None:
+        return None
+    try:
+        return quantization_of(data, str(root)).describe()
+    except CheckpointError:
+        return f"{qc.get('quant_method')!r}, which convert refuses"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -66,10 +91,14 @@ def format_summary(summary: dict[str, Any]) -> str:
             for rank, row in enumerate(rows):
                 lines.append(f"{indent}EP rank {rank}: experts {row[0]}–{row[-1]}"
                              if row == list(range(row[0], row[-1] + 1)) else f"{indent}EP rank {rank}: experts {row}")
+        if summary.get("dequantized_from"):
+            lines.append(f"weights dequantized from {summary['dequantized_from']} to {summary['dtype']}")
         if summary.get("verified"):
             lines.append("checksums: all files verified")
     else:
         lines.append("plain checkpoint (no hybrid_ep metadata)")
+    if summary.get("quantization"):
+        lines.append(f"quantized checkpoint: {summary['quantization']}")
     if summary.get("save_id"):
         lines.append(f"save {summary['save_id']}: every file listed with its size and sha256")
     if not summary.get("checksums"):

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ..config import HybridEPConfig
@@ -29,10 +28,11 @@ from ..parallel.mesh import default_device_type
 from ..state import state_of
 from .atomic import open_checkpoint
 from .convert import hub_metadata
+from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
 from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
 from .layout import build_meta_model, model_tensor_names, read_config
 from .manifest import CheckpointVerifier
-from .safetensors_io import read_header
+from .safetensors_io import TensorFiles, read_header
 from .side_state import load_side_state
 
 logger = logging.getLogger(__name__)
@@ -94,34 +94,31 @@ def plan_rank_local(model: nn.Module, layers: list[ShardedExperts], weight_map: 
     return dict(targets)
 
 
-class _Reader:
-    """Opens each needed file once; reads whole tensors or row subsets of fused tensors."""
+class _Reader(TensorFiles):
+    """Opens each needed file once, checked first; reads whole tensors or row subsets of fused tensors,
+    dequantized where the checkpoint is quantized (only the rows asked for)."""
 
     def __init__(self, root: Path, weight_map: dict[str, str], fetch: Callable[[str], Path] | None = None,
-                 verifier: CheckpointVerifier | None = None) -> None:
-        self.root, self.weight_map, self.fetch = root, weight_map, fetch
-        self.verifier = verifier
-        self._handles: dict[str, object] = {}
+                 verifier: CheckpointVerifier | None = None, dequantizer: Dequantizer | None = None) -> None:
+        super().__init__(weight_map, self._path)
+        self.root, self.fetch, self.verifier = root, fetch, verifier
+        self.dequantizer = dequantizer or Dequantizer(None, weight_map)
 
-    def _handle(self, key: str):
-        name = self.weight_map[key]
-        if name not in self._handles:
-            member = safe_member(self.root, name, INDEX_NAME)
-            path = self.fetch(name) if self.fetch is not None else member
-            _, metadata = read_header(path)  # a clear error for a missing or truncated file
-            if self.verifier is not None:
-                self.verifier.check(name, path, metadata)
-            self._handles[name] = safe_open(path, framework="pt")
-        return self._handles[name]
+    def _path(self, name: str) -> Path:
+        member = safe_member(self.root, name, INDEX_NAME)
+        path = self.fetch(name) if self.fetch is not None else member
+        _, metadata = read_header(path)  # a clear error for a missing or truncated file
+        if self.verifier is not None:
+            self.verifier.check(name, path, metadata)
+        return path
 
     def tensor(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
+        return self.dequantizer.read(self, key)
 
     def rows(self, key: str, rows: list[int]) -> torch.Tensor:
-        sl = self._handle(key).get_slice(key)
         if rows == list(range(rows[0], rows[-1] + 1)):
-            return sl[rows[0] : rows[-1] + 1]
-        return torch.cat([sl[r : r + 1] for r in rows])
+            return self.dequantizer.read(self, key, slice(rows[0], rows[-1] + 1))
+        return torch.cat([self.dequantizer.read(self, key, slice(r, r + 1)) for r in rows])
 
 
 def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> torch.Tensor:
@@ -156,11 +153,15 @@ def load_rank_local_(
     dtype: torch.dtype | None = None,
     fetch: Callable[[str], Path] | None = None,
     verifier: CheckpointVerifier | None = None,
+    quantization: Quantization | None = None,
     device: torch.device | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (already sharded) from the checkpoint: meta parameters are
     replaced (on ``device``, default the CPU, one tensor at a time), live ones (a resume) are copied into
     in place.
+
+    A checkpoint quantized with ``quantization`` is dequantized as it is read (to ``dtype``, default
+    bfloat16), of fused expert tensors only this rank's rows.
 
     ``fetch(name)``, if given, returns the local path of weight file ``name`` (downloading it): only
     files holding a needed key are asked for. Every file opened is checked by ``verifier`` (default:
@@ -168,8 +169,9 @@ def load_rank_local_(
     """
     verifier = verifier or open_checkpoint(root, local=fetch is None)
     weight_map = _weight_map(root)
-    targets = plan_rank_local(model, layers, weight_map)
-    reader = _Reader(root, weight_map, fetch, verifier)
+    dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
+    targets = plan_rank_local(model, layers, dequantizer.weight_map(weight_map))
+    reader = _Reader(root, weight_map, fetch, verifier, dequantizer)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     unexpected = sorted(set(targets) - set(params) - set(buffers))
@@ -284,6 +286,10 @@ def from_pretrained(
     EP degree; at another EP degree the experts are laid out contiguously (logged). Collective: call
     on every rank.
 
+    A block-FP8 or MXFP4 checkpoint (its config's ``quantization_config``) is dequantized as it is read
+    (to ``dtype``, default bfloat16), of the experts only those this rank holds; the model's config then
+    carries no ``quantization_config``. Other quantization methods are refused before any weight is read.
+
     Every file a rank reads is checked against the index's manifest first: size and save id always,
     sha256 unless ``verify=False`` (default: ``config.verify_checksums``, on). No code from the
     checkpoint runs unless ``trust_remote_code=True``.
@@ -302,13 +308,17 @@ def from_pretrained(
             return Path(hf_hub_download(source["repo_id"], name, revision=source["revision"]))
 
     hf_config = read_config(root, trust_remote_code)
+    quantization = quantization_of(hf_config, str(path))
+    if quantization is not None:  # the model built here is the dequantized one
+        del hf_config.quantization_config
     config = with_checkpoint_placement(config or HybridEPConfig(), root)
     verifier = open_checkpoint(root, verify=config.verify_checksums if verify is None else verify,
                                local=fetch is None)
     model = build_meta_model(hf_config, trust_remote_code)
     device = rank_device(default_device_type())  # each tensor goes there as it is read
     parallelize(model, config,
-                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verifier, device))
+                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verifier, quantization,
+                                                               device))
     load_side_state(model, root, verifier)
     model.eval()
     return model

@@ -125,15 +125,6 @@ class CheckpointVerifier:
         self.manifest = read_manifest(self.root) if self.root.is_dir() else None
         self._checked: set[str] = set()  # every check done
         self._sized: set[str] = set()  # size and save id checked (by _check_listed)
-        self._legacy = {} if self.manifest is not None else self._legacy_checksums()
-
-    def _legacy_checksums(self) -> dict[str, dict[str, Any]]:
-        """Weight checksums of a hybrid-EP index written before manifests existed."""
-        index_path = self.root / INDEX_NAME
-        if not index_path.is_file():
-            return {}
-        meta = (_read_json(index_path).get("metadata") or {}).get("hybrid_ep") or {}
-        return {n: {"bytes": f.get("bytes"), "sha256": f.get("sha256")} for n, f in (meta.get("files") or {}).items()}
 
     @property
     def save_id(self) -> str | None:
@@ -174,7 +165,7 @@ class CheckpointVerifier:
         if name in self._checked:
             return
         path = self.root / name if path is None else Path(path)
-        info = (self.manifest["files"] if self.manifest else self._legacy).get(name)
+        info = self.manifest["files"].get(name) if self.manifest else None
         if info is None:
             self._checked.add(name)
             return
@@ -201,7 +192,7 @@ class CheckpointVerifier:
         :meth:`check` each (sha256)."""
         if self.manifest is not None:
             self._check_listed()
-        for name in sorted(self.manifest["files"] if self.manifest else self._legacy):
+        for name in sorted(self.manifest["files"] if self.manifest else ()):
             self.check(name)
 
 
@@ -212,6 +203,6 @@ def verify_checksums(index: CheckpointIndex) -> None:
         CheckpointError: also for a plain checkpoint, which records no checksums.
     """
     verifier = CheckpointVerifier(index.root, verify=True)
-    if verifier.manifest is None and not verifier._legacy:
+    if verifier.manifest is None:
         raise CheckpointError(f"{str(index.root)!r} is not a hybrid-EP checkpoint: it has no checksums")
     verifier.check_all()

@@ -24,6 +24,7 @@ DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
 }
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 _MAX_HEADER = 100 * 2**20
@@ -122,24 +123,32 @@ class StreamingSafetensorsWriter:
         blob += b" " * (-len(blob) % 8)
         self._data_start = 8 + len(blob)
         self._written: set[str] = set()
+        self._rows: dict[str, int] = {}
         write_point(f"open {self.path.name}")
         self._file = self.path.open("wb")
         self._file.write(struct.pack("<Q", len(blob)))
         self._file.write(blob)
         self._file.truncate(self._data_start + offset)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, row: int = 0) -> None:
+        """Write tensor ``name`` whole, or rows ``row, row + 1, ...`` of its leading dimension (a tensor
+        written in parts is complete when every row is)."""
         spec = self.specs.get(name)
         if spec is None:
             raise KeyError(f"{name!r} is not a tensor of {self.path.name}")
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+        whole = tuple(tensor.shape) == spec.shape and row == 0
+        fits = bool(spec.shape) and tuple(tensor.shape[1:]) == spec.shape[1:] and 0 <= row <= spec.shape[0] - len(tensor)
+        if tensor.dtype != spec.dtype or not (whole or fits):
             raise ValueError(
-                f"{name!r}: expected {spec.dtype} {spec.shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+                f"{name!r}: expected {spec.dtype} {spec.shape}, got {tensor.dtype} {tuple(tensor.shape)} at row {row}"
             )
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        self._file.seek(self._data_start + self._offsets[name])
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
+        self._file.seek(self._data_start + self._offsets[name] + row * row_bytes)
         self._file.write(data.data)
-        self._written.add(name)
+        self._rows[name] = self._rows.get(name, 0) + (len(tensor) if spec.shape else 1)
+        if self._rows[name] >= (spec.shape[0] if spec.shape else 1):
+            self._written.add(name)
 
     def close(self) -> None:
         self._file.close()
@@ -150,3 +159,46 @@ class StreamingSafetensorsWriter:
 
     def abort(self) -> None:
         self._file.close()
+
+
+class TensorFiles:
+    """Tensors by key from a checkpoint's safetensors files, each file opened once and kept open until
+    :meth:`close` (a context manager: memory-mapped pages a read touched are released on close).
+
+    Args:
+        weight_map: key → file name.
+        path_of: file name → the path to open (and check) it at.
+    """
+
+    def __init__(self, weight_map: Mapping[str, str], path_of: Callable[[str], Path]) -> None:
+        self.weight_map, self.path_of = weight_map, path_of
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, key: str):
+        from safetensors import safe_open
+
+        name = self.weight_map[key]
+        if name not in self._handles:
+            self._handles[name] = safe_open(self.path_of(name), framework="pt")
+        return self._handles[name]
+
+    def spec(self, key: str) -> TensorSpec:
+        sl = self._handle(key).get_slice(key)
+        return TensorSpec(key, ST_TO_DTYPE[sl.get_dtype()], tuple(sl.get_shape()))
+
+    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``key``, or rows ``rows`` of its leading dimension."""
+        if rows is None:
+            return self._handle(key).get_tensor(key)
+        return self._handle(key).get_slice(key)[rows]
+
+    def close(self) -> None:
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+
+    def __enter__(self) -> TensorFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

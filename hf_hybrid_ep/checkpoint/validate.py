@@ -56,6 +56,7 @@ class _Findings:
     wrong_shape: list[str] = field(default_factory=list)
     wrong_dtype: list[str] = field(default_factory=list)
     filled: set[str] = field(default_factory=set)
+    ignored: list[str] = field(default_factory=list)  # keys filling nothing that transformers ignores too
 
 
 @dataclass
@@ -66,10 +67,13 @@ class _Group:
     keys: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
-def validate_against_model(model: nn.Module, specs: dict[str, TensorSpec], where: str) -> None:
+def validate_against_model(model: nn.Module, specs: dict[str, TensorSpec], where: str) -> list[str]:
     """Check every checkpoint key of ``specs`` against ``model`` (built on the meta device from the
     checkpoint's config): shapes exactly, floating point or not, no model parameter missing, no key
     left over (see the module docstring for the rules).
+
+    Returns the keys that fill no model tensor but are ignored by rule (DeepSeek-V3's
+    multi-token-prediction layer ``model.layers.61.*``, stale rotary buffers), sorted.
 
     Raises:
         CheckpointError: one error listing every missing, unexpected, mis-shaped and mis-typed key
@@ -101,6 +105,7 @@ def validate_against_model(model: nn.Module, specs: dict[str, TensorSpec], where
     found.missing.extend(_saved_as(model, name, tensors[name]) if i < LIST_CAP else name
                          for i, name in enumerate(missing))
     _raise(found, type(model).__name__, where)
+    return sorted(found.ignored, key=_natural)
 
 
 def _natural(key: str) -> list[tuple[int, str]]:
@@ -128,6 +133,7 @@ def _ignore_unexpected_patterns(model: nn.Module) -> list[re.Pattern[str]]:
 def _unexpected(found: _Findings, key: str, names: Iterable[str], ignore: list[re.Pattern[str]],
                 why: str = "") -> None:
     if any(p.search(n) for p in ignore for n in (key, *names)):
+        found.ignored.append(key)
         return
     found.unexpected.append(key + why)
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import HybridEPConfig, config_fields, env_values, read_yaml_mapping, rename_deprecated
+from ..config import HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
@@ -56,7 +56,6 @@ class HybridEPPlugin:
             data.update(loaded)
         data.update(env_values())
         data.update({k: v for k, v in (flags or {}).items() if v is not None})
-        data = rename_deprecated(data, "hybrid-EP setting")
         engine_fields = set(config_fields())
         known = engine_fields | set(TRAINING_KEYS) | {"optimizer"}
         unknown = sorted(set(data) - known)

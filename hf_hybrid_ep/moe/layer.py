@@ -289,9 +289,6 @@ class ShardedExperts:
         return torch.cat(outputs)  # in the combine's dtype: the caller casts
 
 
-ExpertParallelLayer = ShardedExperts  # its name before 0.2 (a transformers class has that name too)
-
-
 class SharedExpertOverlap:
     """Run a block's shared expert while the routed experts' return exchange is in flight.
 

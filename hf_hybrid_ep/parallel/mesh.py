@@ -59,11 +59,6 @@ class HybridMesh:
         return self.rank // self.ep_degree
 
     @property
-    def dp_rank(self) -> int:
-        """Same as :attr:`edp_rank` (the data-parallel index of the layout ``dp × ep``)."""
-        return self.edp_rank
-
-    @property
     def ep_group(self) -> dist.ProcessGroup | None:
         return None if self.device_mesh is None else self.device_mesh.get_group("ep")
 

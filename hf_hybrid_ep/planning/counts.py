@@ -12,6 +12,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from ..checkpoint.dequantize import checkpoint_bytes, quantization_config_of, quantization_of
 from ..checkpoint.layout import _from_config
 from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
 from ..moe.discovery import check_shardable, expert_parameter_names
@@ -40,6 +41,9 @@ class ModelCounts:
     embedding_lookup_params: int = 0  # input-embedding table not tied to the output projection (no FLOPs)
     qk_dim: int = 0  # heads × query/key head width (attention scores); 0: hidden
     v_dim: int = 0  # heads × value head width; 0: hidden
+    quantization: str = ""  # how the checkpoint is quantized ("fp8 block 128×128"); "" when it is not
+    checkpoint_bytes: int = 0  # the model's tensors in its checkpoint (quantized where it is)
+    converted_bytes: int = 0  # the same after `hf-hybrid-ep convert` (dequantized tensors in bfloat16)
 
 
 def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -90,6 +94,9 @@ def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) 
     v = getattr(text, "v_head_dim", None) or head
     table, output = model.get_input_embeddings(), model.get_output_embeddings()
     lookup = table.weight.numel() if output is None or output.weight is not table.weight else 0
+    quantization = quantization_of(config, f"the {config.model_type} config")
+    skip = (quantization_config_of(config) or {}).get("modules_to_not_convert") or ()
+    stored, converted = checkpoint_bytes(model, quantization, skip, _checkpoint_dtype(config))
     return ModelCounts(
         model_type=config.model_type, total_params=total, dense_params=total - expert, expert_params=expert,
         num_experts=first.num_experts, top_k=int(top_k), moe_layers=len(found),
@@ -97,7 +104,19 @@ def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) 
         heads=heads, expert_width=int(width),
         dense_shapes=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in expert_ids),
         embedding_lookup_params=int(lookup), qk_dim=heads * int(qk), v_dim=heads * int(v),
+        quantization=quantization.describe() if quantization else "", checkpoint_bytes=stored,
+        converted_bytes=converted,
     )
+
+
+def _checkpoint_dtype(config: PretrainedConfig):
+    """The dtype of a config's unquantized tensors (``dtype``; bfloat16, the Hub's usual, when unset)."""
+    import torch
+
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
 
 
 def _shard_numel(n: int, members: int, index: int) -> int:

@@ -41,7 +41,7 @@ group would straddle a node boundary is left out). Bytes are split per GPU by th
   (``2·(g−1)/g · size`` over the intra-node link), then a ring over the N nodes on 1/g of the data
   (``2·(N−1)/N · size/g`` over the network; it crosses racks when the group spans racks).
 
-Communication time (``est_step_comm_s``, kept as it was): per level, bytes / that level's bandwidth
+Communication time without overlap (``est_step_comm_s``): per level, bytes / that level's bandwidth
 (GB/s per GPU); the levels of one collective are summed (NVLink, network and spine are used one after
 the other by a hierarchical collective), and the collectives of a step are summed (no overlap assumed).
 
@@ -67,6 +67,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from ..checkpoint.format import format_bytes
 from ..parallel.topology import Topology, ep_group_layout
 from .counts import (  # noqa: F401  (re-exported: the planner's public names of 0.1)
     KNOWN_CONFIGS,
@@ -313,6 +314,10 @@ def format_plan(result: dict[str, Any]) -> str:
                      f"{p['memory_per_gpu_bytes'] / 2**30:.1f} ({p['memory_per_gpu_checkpointed_bytes'] / 2**30:.1f}) | "
                      f"{fits} | {p['comm_bytes_per_step'] / 2**20:.0f} | {p['est_step_comm_s']:.3f} | "
                      f"{t['compute_s']:.4g} | {t['exposed_comm_s']:.4g} | {t['step_s']:.4g} | {t['samples_per_s']:.4g} |")
+    if m.get("quantization"):
+        lines.append(f"checkpoint: {m['quantization']}, {format_bytes(m['checkpoint_bytes'])} (the tensors the model "
+                     f"loads); `hf-hybrid-ep convert` writes {format_bytes(m['converted_bytes'])} (dequantized to "
+                     "bfloat16)")
     src, links = model["sources"], model["links"]
     if model["calibration"] is not None:
         c = model["calibration"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from .checkpoint import (
     hub_rank_local_load,
     load_with_a_missing_file,
+    quantized_rank_local_load,
     rank_local_load,
     save_costs,
     save_generate_reload,
@@ -79,6 +80,7 @@ __all__ = [
     # checkpoint
     "hub_rank_local_load",
     "load_with_a_missing_file",
+    "quantized_rank_local_load",
     "rank_local_load",
     "save_costs",
     "save_generate_reload",

@@ -113,6 +113,67 @@ def rank_local_load(ckpt: str, dp: int, ep: int, reference_dir: str, sabotage: b
                 p.numel() * p.element_size() for layer in state.layers for p in layer.expert_parameters())}
 
 
+def _poison_other_experts(tensors: dict, mine: set[int], num_experts: int) -> int:
+    """Make every scale of an expert not in ``mine`` non-finite (NaN; e8m0 byte 255): dequantizing any
+    of them is refused, so a clean load proves they were never dequantized. Returns how many."""
+    from hf_hybrid_ep.checkpoint.format import PER_EXPERT_KEY
+
+    others = [e for e in range(num_experts) if e not in mine]
+    poisoned = 0
+    for key, value in tensors.items():
+        if not key.endswith(("_scale_inv", "_scales")):
+            continue
+        match = PER_EXPERT_KEY.match(key)
+        rows = others if match is None and ".experts." in key else [] if match is None else (
+            [slice(None)] if int(match["expert"]) in others else [])
+        for row in rows:
+            if value.dtype.is_floating_point and value.dtype != torch.float8_e8m0fnu:
+                value[row] = float("nan")
+            else:
+                value.view(torch.uint8)[row] = 255
+            poisoned += 1
+    return poisoned
+
+
+def quantized_rank_local_load(src: str, reference: str) -> dict:
+    """hf_hybrid_ep.from_pretrained on a quantized (block-FP8 or MXFP4) checkpoint at ep = world: every
+    parameter equals the converted checkpoint's tensor (this rank's rows of expert tensors), from a
+    copy in which the other ranks' experts have poisoned scales."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(src)
+    copy = root.parent / f"{root.name}-quantized-rank{rank}"
+    shutil.copytree(root, copy)
+    tensors = load_file(copy / "model.safetensors")
+    ref = AutoModelForCausalLM.from_pretrained(reference)
+    num_experts = next(m.num_experts for _, m in hep.moe.discovery.find_experts_modules(ref))
+    per = num_experts // world
+    poisoned = _poison_other_experts(tensors, set(range(rank * per, (rank + 1) * per)), num_experts)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    model = hep.from_pretrained(copy, hep.HybridEPConfig(ep_degree=world))
+    state = hep.state_of(model)
+    local = {id(p): layer.local_experts for layer in state.layers for p in layer.expert_parameters()}
+    want = dict(ref.named_parameters())
+    mismatched = []
+    for name, p in model.named_parameters():
+        expected = want[name].detach()
+        expected = expected[local[id(p)]] if id(p) in local else expected
+        if not torch.equal(p.detach().float(), expected.float()):
+            mismatched.append(name)
+    try:  # the poison bites: a layout in which every rank holds every expert reads it
+        hep.from_pretrained(copy, hep.HybridEPConfig(ep_degree=1, dp_degree=world))
+        refused = ""
+    except hep.CheckpointError as err:
+        refused = str(err)
+    return {"mismatched": mismatched, "poisoned": poisoned, "compared": len(want), "refused": refused,
+            "quantization_config": hasattr(model.config, "quantization_config")}
+
+
 def hub_rank_local_load(endpoint: str, repo_id: str, cache_base: str, reference_dir: str, dp: int, ep: int) -> dict:
     """hf_hybrid_ep.from_pretrained on a Hub repo id: each rank fetches only the files it needs."""
     from huggingface_hub import constants

@@ -5,7 +5,7 @@ interleaved (layout A, B, A, B, ...) so drift of the shared machine hits all lay
 per-rank parameter bytes, bytes moved by all-to-all and all-reduce per step, and the median step
 time as a ratio to pure data parallelism (ep = 1).
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/engine_step.py --num_experts 8 --rounds 5
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_engine_step --num_experts 8 --rounds 5
 """
 
 from __future__ import annotations

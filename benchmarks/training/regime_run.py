@@ -1,4 +1,4 @@
-"""``--regime`` and ``--reevaluate``: one named regime of ``benchmarks/regimes.py`` end to end (the calibration
+"""``--regime`` and ``--reevaluate``: one named regime of :mod:`.regimes` end to end (the calibration
 run on the flat fabric, the link rate it implies, the regime's runs on the two-node fabric), and its ratios,
 step-time predictions and goals (``regimes.evaluate``)."""
 
@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import regimes as rg
 from .fabric import FlatFabric, TwoNodeFabric
 from .goals import goals
 from .launch import run_layout
@@ -45,8 +46,6 @@ def _calibration_run(spec: RunSpec, step: StepArgs, ckpt: str, workdir: str) -> 
 def _link_gbit(regime, counts, calibration: dict[str, Any], memory_gbps: float) -> float:
     """The inter-node rate (Gbit/s) at which pure EP's predicted cross-node exchange is ``regime.target_r_x`` × the
     calibrated compute time per step."""
-    import regimes as rg
-
     pure_ep = rg.predict({"engine": "hybrid", "dp": 1, "ep": WORLD, "config": {}}, counts, regime, calibration,
                          {"kind": "two-node", "ranks_per_node": WORLD // 2, "measured_gbit": 1.0}, memory_gbps)
     cross = pure_ep.a2a_bytes["inter_node"]
@@ -56,8 +55,6 @@ def _link_gbit(regime, counts, calibration: dict[str, Any], memory_gbps: float) 
 def run_regime(regime, args) -> None:
     """One regime: the calibration run on the flat fabric, the link rate it implies, the table on the two-node
     fabric, target vs achieved ratios, and the step-time model's predictions against every run."""
-    import regimes as rg
-
     from hf_hybrid_ep.planning.planner import count_parameters
 
     started = time.monotonic()
@@ -111,8 +108,6 @@ def run_regime(regime, args) -> None:
 
 def regime_results(report: dict, regime) -> None:
     """Achieved ratios and the step-time model's predictions (``regimes.evaluate``), and the goals."""
-    import regimes as rg
-
     evaluated = rg.evaluate(report)
     for r in report["runs"]:
         r["predicted"] = evaluated["predictions"].get(r["key"])
@@ -131,10 +126,8 @@ def regime_results(report: dict, regime) -> None:
 def reevaluate(path: str) -> None:
     """Recompute a regime report's ratios, predictions and goals with the current code (the measured runs kept as
     they are), rewrite the file and print the summary."""
-    from regimes import REGIMES
-
     report = json.loads(Path(path).read_text())
-    regime_results(report, REGIMES[report["regime"]["name"]])
+    regime_results(report, rg.REGIMES[report["regime"]["name"]])
     write_json(report, path)
     _print_summary(report)
 

@@ -1,4 +1,5 @@
-"""Named benchmark regimes for ``bench_training.py --regime``, and the step-time model checked against them.
+"""Named benchmark regimes for ``python -m benchmarks.bench_training --regime``, and the step-time model checked
+against them.
 
 Two dimensionless ratios decide whether hybrid EP (dp 2 × ep 2 on two nodes of two ranks) beats pure EP
 (ep 4 across both nodes); hidden size and layer count cancel out of both:
@@ -14,7 +15,8 @@ exactly), and the emulated link's rate is chosen from a calibration run on the f
 ``r_x`` matches too (``link_gbit_for``). Reference values come from :mod:`hf_hybrid_ep.planning.step_time` at 40%
 MFU on H100s (``tests/test_step_time.py`` checks them by hand): Qwen3-30B-A3B on 2 × 8 GPUs, dp2×ep8 vs
 ep16, 2²² tokens per step: ``T/T* = 113.8``, ``r_x = 0.89``; Mixtral-8x7B on 2 × 4 GPUs, dp2×ep4 vs ep8:
-``T/T* = 24.4``, ``r_x = 0.100``. The toy regime is this repository's earlier benchmark as it was.
+``T/T* = 24.4``, ``r_x = 0.100``. The toy regime is the training benchmark's default shape, far below any real
+cluster's ``T/T*``.
 
 The step-time model is calibrated on one designated run per regime — pure EP on the flat fabric (no
 shaped link). From it come the device rate (model FLOPs per second per rank = FLOPs / (step time −
@@ -79,7 +81,7 @@ REGIMES = {
     ),
     "toy": Regime(
         name="toy",
-        reference="this repository's benchmark before the regimes (its defaults; no real cluster runs here)",
+        reference="the training benchmark's default shape (no real cluster runs here)",
         model={"vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 4, "num_experts": 16,
                "moe_intermediate_size": 512, "num_experts_per_tok": 2, "num_attention_heads": 8, "num_key_value_heads": 4},
         batch_per_rank=2, seq_len=256, grad_accum=1, target_t_over_t_star=0.17, target_r_x=0.14,
@@ -167,7 +169,7 @@ def predict(run: dict, counts, regime: Regime, calibration: dict, fabric: dict, 
                              device_flops=calibration["flops_per_s"], efficiency=1.0, memory_gbps=memory_gbps,
                              optimizer_sharding=cfg.get("optimizer_sharding", "none"),
                              dense_sharding=cfg.get("dense_sharding", "replicate"), recipe="fp32-adamw",
-                             # runs recorded before the hierarchical dispatcher existed sent one row per pair
+                             # a report whose config names no dispatcher ran the plain all-to-all
                              dispatcher=cfg.get("dispatcher", "torch"),
                              exchange_overhead_s=calibration["exchange_overhead_s"])
 

@@ -1,7 +1,7 @@
 """A prepared GPU check: one command on one CUDA GPU, about 4 minutes, two result files.
 
-    python benchmarks/gpu_check.py --out-dir .            # one CUDA GPU: writes gpu_check.json, gpu_check.md
-    python benchmarks/gpu_check.py --dry-run --out-dir /tmp/x   # CPU, tiny shapes, Triton interpreter, < 60 s
+    python -m benchmarks.bench_gpu_check --out-dir .            # one CUDA GPU: writes gpu_check.json, gpu_check.md
+    python -m benchmarks.bench_gpu_check --dry-run --out-dir /tmp/x   # CPU, tiny shapes, Triton interpreter, < 60 s
 
 Dependencies are checked first (torch with CUDA unless ``--dry-run``, triton, transformers, accelerate); a
 missing one stops the run within seconds with a message naming it. Every model is built from a transformers
@@ -18,7 +18,7 @@ a. ``dispatch_kernels`` -- the Triton permute and unpermute-combine kernels (the
    against indexing. fp32: relative error <= 1e-6. bf16: both paths
    are compared with the torch path in fp32 on the same values; the Triton error must be <= 2x the torch
    error (floor 2**-9, half a bf16 ulp). GB/s of the forward kernels against a device-to-device copy
-   (median of per-call ``torch.cuda.Event`` timings, the helpers of ``bench_dispatch.py``).
+   (median of per-call ``torch.cuda.Event`` timings, the helpers of ``benchmarks.common.kernels``).
 b. ``experts_implementation`` -- transformers' experts implementation ``"hybrid_ep_triton"`` (registered by
    ``import hf_hybrid_ep``) against ``"grouped_mm"`` on one experts module with fixed routing, same shapes:
    output and gradients (input, routing weights, expert weights) against ``"eager"`` in fp32 (same 2x rule;
@@ -319,7 +319,8 @@ def kernel_equality(shape: tuple[int, int, int, int], dtypes: tuple[str, ...], d
     """Relative errors of the Triton path per output; fp32 against the torch path, bf16 against the
     torch path in fp32 (with the torch bf16 error and the bound it sets)."""
     import torch
-    from bench_dispatch import routed_batch
+
+    from benchmarks.common.kernels import routed_batch
 
     tokens, hidden, k, experts = shape
     paths = _dispatchers(experts)
@@ -356,7 +357,8 @@ def kernel_bandwidth(shape: tuple[int, int, int, int], reps: int) -> dict[str, A
     """GB/s (1e9 bytes read + written per second) of the bf16 forward permute and combine, both paths, and
     of a device-to-device copy of the routed rows ([T*k, H])."""
     import torch
-    from bench_dispatch import copy_seconds, cuda_seconds, routed_batch
+
+    from benchmarks.common.kernels import copy_seconds, cuda_seconds, routed_batch
 
     tokens, hidden, k, experts = shape
     paths = _dispatchers(experts)
@@ -468,7 +470,8 @@ def experts_shape(shape: tuple[int, int, int, int], sizes: Sizes) -> dict[str, A
 def experts_timing(model, module, inputs: dict, grad_out, reps: int) -> dict[str, Any]:
     """Median forward + backward seconds (bf16) per implementation, and the ratio to ``grouped_mm``."""
     import torch
-    from bench_dispatch import cuda_seconds
+
+    from benchmarks.common.kernels import cuda_seconds
 
     seconds = {impl: cuda_seconds(lambda impl=impl: experts_step(model, module, impl, inputs, torch.bfloat16,
                                                                  grad_out), reps)
@@ -1088,7 +1091,6 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("gpu_check: cannot run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sizes = dry_sizes() if args.dry_run else cuda_sizes()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
