@@ -52,7 +52,7 @@ f. ``autocast`` -- fp32 weights under ``torch.autocast(bfloat16)``: the engine's
 
 Expected run time: about 3-5 minutes on one H200 (mostly model building, Triton compilation and section e's
 files); ``--dry-run`` under a minute on two CPU cores. Prepared as one timed command with room for a rerun:
-``timeout 480 python benchmarks/gpu_check.py --out-dir gpu_check_out``.
+``timeout 480 python -m benchmarks.bench_gpu_check --out-dir gpu_check_out``.
 
 What it cannot verify: multi-rank NCCL. One rank runs no real collectives (every exchange is the identity and
 every reduction a no-op; sections c, e and f run with the one-rank NCCL group of section c, so their heartbeat
