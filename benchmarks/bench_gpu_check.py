@@ -235,12 +235,12 @@ def _dtype(name: str):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _dispatchers(experts: int, ep: int = 1, alignment: int = 1):
+def _dispatchers(experts: int, ep: int = 1):
     from hf_hybrid_ep.dispatch import CommStats, PlacementTable, TorchDispatcher, TritonDispatcher
 
     table = PlacementTable.contiguous(experts, ep)
     return {"torch": TorchDispatcher(table, 0, None, CommStats()),
-            "triton": TritonDispatcher(table, 0, None, CommStats(), alignment=alignment)}
+            "triton": TritonDispatcher(table, 0, None, CommStats())}
 
 
 def masked_case(tokens: int, hidden: int, k: int, experts: int, device: str) -> dict:
@@ -249,16 +249,18 @@ def masked_case(tokens: int, hidden: int, k: int, experts: int, device: str) -> 
     local, remote, shadowed and dropped; fp32 activations for every masked path of the kernels."""
     import torch
 
+    from hf_hybrid_ep.dispatch import SideChannel
+
     g = torch.Generator(device=device).manual_seed(4)
     index = torch.rand(tokens, experts, device=device, generator=g).topk(k, dim=-1).indices
     index[::5, -1] = -1
     shadow = torch.full((experts,), -1, dtype=torch.long, device=device)
     shadow[experts // 2] = 0
-    handle = _dispatchers(experts, ep=2)["torch"].plan(index, shadow)
+    (plan,) = _dispatchers(experts, ep=2)["torch"].plan(index, SideChannel(local_slot_of=shadow))
     f = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
     return {"index": index, "shadow_slot_of": shadow, "masked_x": f(tokens, hidden),
-            "masked_back": f(handle.num_sent, hidden), "masked_shadow": f(handle.num_shadow, hidden),
-            "masked_weights": torch.rand(tokens, k, device=device, generator=g), "regroup_rows": f(handle.num_sent, hidden)}
+            "masked_back": f(plan.num_sent, hidden), "masked_shadow": f(plan.num_local, hidden),
+            "masked_weights": torch.rand(tokens, k, device=device, generator=g), "regroup_rows": f(plan.num_sent, hidden)}
 
 
 def masked_outputs(name: str, case: dict, experts: int, grad: Any) -> dict[str, Any]:
@@ -267,14 +269,18 @@ def masked_outputs(name: str, case: dict, experts: int, grad: Any) -> dict[str, 
     Triton ``fused_gather_rows``; indexing with zero padding for the torch path). ``grad`` scales every output."""
     import torch
 
-    paths = _dispatchers(experts, ep=2, alignment=8)
-    d, plan = paths[name], paths["torch"].plan(case["index"], case["shadow_slot_of"])
+    from hf_hybrid_ep.dispatch import SideChannel
+    from hf_hybrid_ep.moe.experts import regroup_index
+
+    paths = _dispatchers(experts, ep=2)
+    d = paths[name]
+    (plan,) = paths["torch"].plan(case["index"], SideChannel(local_slot_of=case["shadow_slot_of"]))
     x, back, shadow, w, rows = (case[n].detach().requires_grad_() for n in
                                 ("masked_x", "masked_back", "masked_shadow", "masked_weights", "regroup_rows"))
     k = case["index"].shape[1]
     permuted = d._permute(x, plan.order, plan.num_sent, k)
-    combined = d.finish_combine(back, w, plan, shadow)
-    index, destination, _, _ = paths["triton"].regroup_plan(plan, paths["triton"].table.slots_per_rank)
+    combined = d._finish_combine(back, w, plan, shadow)
+    index, destination, _, _ = regroup_index(plan.received, paths["triton"].table.slots_per_rank, alignment=8)
     if name == "triton":
         regrouped = d._kernels.fused_gather_rows(rows, index, destination)
     else:

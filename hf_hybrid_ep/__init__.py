@@ -7,7 +7,7 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, ParallelDims
-from .dispatch import PlacementTable, register_experts_implementation
+from .dispatch import PlacementTable
 from .errors import HybridEPConfigError
 from .hub import push_to_hub
 from .inference.offload import (
@@ -21,6 +21,7 @@ from .inference.offload import (
 )
 from .memory import memory_report
 from .moe.discovery import find_experts_modules, is_fused_experts
+from .moe.experts import register_experts_implementation
 from .moe.freeze import ExpertFreezer
 from .parallel.grads import clip_grad_norm_, no_sync
 from .parallel.mesh import HybridMesh, build_mesh

@@ -18,7 +18,6 @@ from torch import nn
 from .config import HybridEPConfig
 from .dispatch import PlacementTable, choose_backend, resolve_backend
 from .dispatch.table import layer_tables
-from .dispatch.torch_backend import CONTROL_INTS
 from .errors import HybridEPConfigError
 from .moe.discovery import check_shardable, find_shared_expert
 from .moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
@@ -156,10 +155,10 @@ def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
     return device
 
 
-def _control_width(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], tables: list[PlacementTable],
-                   ep: int) -> int:
-    """Ints per counts message, equal for every layer so that ranks in different layers still exchange
-    equal sizes (wide enough for the tables online rebalancing may fit later)."""
+def _count_slots(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], tables: list[PlacementTable],
+                 ep: int) -> int:
+    """Slots per EP rank in every counts message, equal for every layer so that ranks in different layers still
+    exchange equal sizes (wide enough for the tables online rebalancing may fit later)."""
     slots = max(t.slots_per_rank for t in tables)
     if config.rebalancing:
         for name, module in found:
@@ -168,7 +167,7 @@ def _control_width(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]]
                     f"rebalancing: {name} has {module.num_experts} experts + rebalance_replicas="
                     f"{config.rebalance_replicas}, not a multiple of ep_degree={ep} (every rank holds as many slots)")
             slots = max(slots, (module.num_experts + config.rebalance_replicas) // ep)
-    return slots + CONTROL_INTS
+    return slots
 
 
 def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
@@ -176,8 +175,8 @@ def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: l
                            ) -> tuple[list[ShardedExperts], InputAgreement]:
     """Replace every experts module's forward by an :class:`ShardedExperts` holding this rank's
     experts only; all layers share one cross-rank input agreement."""
-    options = EPLayerOptions.from_config(config, _control_width(config=config, found=found, tables=tables,
-                                                                ep=mesh.ep_degree))
+    options = EPLayerOptions.from_config(config, _count_slots(config=config, found=found, tables=tables,
+                                                              ep=mesh.ep_degree))
     names = {i: name for i, (name, _) in enumerate(found)}
     agreement = InputAgreement(mesh, names)
     layers = []

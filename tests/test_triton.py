@@ -14,6 +14,8 @@ import dist_cases as cases  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 import hf_hybrid_ep as hep  # noqa: E402
+from hf_hybrid_ep.dispatch import Received, SideChannel  # noqa: E402
+from hf_hybrid_ep.moe.experts import regroup_index  # noqa: E402
 
 
 def _routing(tokens: int, k: int, experts: int, drop: bool, seed: int):
@@ -85,14 +87,13 @@ def test_triton_dispatcher_trains_like_one_process(pools, family, alignment, pla
         assert r["violations"] == [], r
 
 
-def test_regroup_plan_rank_major_to_expert_major_with_padding():
-    from hf_hybrid_ep.dispatch import CommStats, DispatchHandle, PlacementTable, TritonDispatcher
-
-    dispatcher = TritonDispatcher(PlacementTable.contiguous(4, 2), 0, None, CommStats(), alignment=4)
+def _received() -> Received:
     # received from rank 0: 2 rows for slot 0, 1 for slot 1; from rank 1: 3 for slot 0, 0 for slot 1
-    handle = DispatchHandle(torch.arange(0), 0, [0, 0], [3, 3], 0, 1, recv_counts=torch.tensor([2, 1, 3, 0]),
-                            recv_counts_host=[2, 1, 3, 0])
-    index, destination, sizes, sizes_host = dispatcher.regroup_plan(handle, 2)
+    return Received(2, 2, torch.tensor([2, 1, 3, 0]), [2, 1, 3, 0])
+
+
+def test_regroup_index_source_major_to_expert_major_with_padding():
+    index, destination, sizes, sizes_host = regroup_index(_received(), 2, alignment=4)
     assert sizes_host == [8, 4]
     assert sizes.tolist() == [8, 4]  # 5 rows -> 8, 1 row -> 4
     assert index.tolist() == [0, 1, 3, 4, 5, -1, -1, -1, 2, -1, -1, -1]
@@ -189,11 +190,11 @@ def test_every_row_offset_is_64_bit():
     assert _narrow_offsets(bad)[0] == ["k: row * hidden"]
 
 
-def _dispatchers(experts: int, ep: int, alignment: int = 1):
+def _dispatchers(experts: int, ep: int):
     from hf_hybrid_ep.dispatch import CommStats, PlacementTable, TorchDispatcher, TritonDispatcher
 
     table = PlacementTable.contiguous(experts, ep)
-    return TorchDispatcher(table, 0, None, CommStats()), TritonDispatcher(table, 0, None, CommStats(), alignment=alignment)
+    return TorchDispatcher(table, 0, None, CommStats()), TritonDispatcher(table, 0, None, CommStats())
 
 
 def _input_grads(outputs: list, inputs: list, grad: torch.Tensor) -> list:
@@ -210,16 +211,16 @@ def test_masked_paths_equal_the_torch_dispatcher():
     index[::4, -1] = -1
     shadow_slot_of = torch.full((experts,), -1, dtype=torch.long)
     shadow_slot_of[4] = 0
-    handle = torch_path.plan(index, shadow_slot_of)
-    assert handle.num_sent and handle.num_shadow and handle.num_dropped and handle.send_splits[1]
+    (plan,) = torch_path.plan(index, SideChannel(local_slot_of=shadow_slot_of))
+    assert plan.num_sent and plan.num_local and plan.num_dropped and plan.send_splits[1]
     hidden = torch.randn(tokens, width, requires_grad=True)
-    back = torch.randn(handle.num_sent, width, requires_grad=True)
-    shadow_out = torch.randn(handle.num_shadow, width, requires_grad=True)
+    back = torch.randn(plan.num_sent, width, requires_grad=True)
+    shadow_out = torch.randn(plan.num_local, width, requires_grad=True)
     weights = torch.rand(tokens, k, requires_grad=True)
     results = []
     for d in (torch_path, triton_path):
-        rows = d._permute(hidden, handle.order, handle.num_sent, k)
-        out = d.finish_combine(back, weights, handle, shadow_out)
+        rows = d._permute(hidden, plan.order, plan.num_sent, k)
+        out = d._finish_combine(back, weights, plan, shadow_out)
         g = (torch.ones_like(rows), torch.linspace(-1, 1, out.numel()).view_as(out))
         results.append([rows, out, *_input_grads([rows, out], [hidden, back, shadow_out, weights], g)])
     for got, want in zip(results[1], results[0], strict=True):
@@ -228,13 +229,9 @@ def test_masked_paths_equal_the_torch_dispatcher():
 
 def test_fused_gather_rows_padding_equals_indexing():
     # The regroup to expert-major order with groups padded to 4 rows: padding positions (-1) read zeros.
-    from hf_hybrid_ep.dispatch import DispatchHandle
     from hf_hybrid_ep.dispatch.triton_kernels import fused_gather_rows
 
-    _, triton_path = _dispatchers(4, 2, alignment=4)
-    handle = DispatchHandle(torch.arange(0), 0, [0, 0], [3, 3], 0, 1, recv_counts=torch.tensor([2, 1, 3, 0]),
-                            recv_counts_host=[2, 1, 3, 0])
-    index, destination, _, _ = triton_path.regroup_plan(handle, 2)
+    index, destination, _, _ = regroup_index(_received(), 2, alignment=4)
     rows = torch.randn(6, 200, requires_grad=True)
     padded = torch.cat([rows, rows.new_zeros(1, 200)])
     want = padded[torch.where(index >= 0, index, rows.shape[0])]

@@ -1,4 +1,4 @@
-"""Token dispatchers: one interface, several backends, chosen once.
+"""Token dispatchers: one contract (:mod:`hf_hybrid_ep.dispatch.protocol`), several backends, chosen once.
 
 A backend is selected by name (``"torch"``, ``"triton"``, ``"hierarchical"``) or by ``"auto"`` (the best
 one for the device and the EP group's place in the topology). A requested backend that is missing is an
@@ -10,10 +10,11 @@ from __future__ import annotations
 from ..errors import HybridEPConfigError
 from ..parallel.topology import ranks_per_node
 from .hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
+from .protocol import CombineInFlight, Dispatcher, DispatchPlan, LocalPairs, Received, SideChannel
 from .stats import CommStats, PhaseCounters
 from .table import PlacementTable
-from .torch_backend import DispatchHandle, TorchDispatcher
-from .triton_backend import TritonDispatcher, register_experts_implementation, triton_unavailable_reason
+from .torch_backend import TorchDispatcher, TorchPlan
+from .triton_backend import TritonDispatcher, triton_unavailable_reason
 
 BACKENDS = {"torch": TorchDispatcher, "triton": TritonDispatcher, "hierarchical": HierarchicalDispatcher}
 
@@ -66,32 +67,37 @@ def choose_backend(name: str, mesh) -> tuple[str, str]:
     return resolve_backend(name, mesh.device_type, ep_nodes(mesh) if name in ("auto", "hierarchical") else 1)
 
 
-def make_dispatcher(
-    name: str, table: PlacementTable, mesh, stats: CommStats, alignment: int = 1, control_width: int | None = None,
-) -> TorchDispatcher:
-    """The dispatcher ``name`` resolves to for one layer of ``mesh`` (its EP rank and group)."""
+def make_dispatcher(name: str, table: PlacementTable, mesh, stats: CommStats, *, count_slots: int | None = None,
+                    control_ints: int = 0) -> Dispatcher:
+    """The dispatcher ``name`` resolves to for one layer of ``mesh`` (its EP rank and group); ``count_slots`` /
+    ``control_ints`` as :class:`TorchDispatcher` takes them."""
     backend, _ = choose_backend(name, mesh)
-    if backend == "triton":
-        return TritonDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, control_width, alignment=alignment)
+    sizes = {"count_slots": count_slots, "control_ints": control_ints}
     if backend == "hierarchical":
-        return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, node_groups(mesh, ranks_per_node(mesh.topology, mesh.world_size)),
-                                      control_width)
-    return TorchDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, control_width)
+        groups = node_groups(mesh, ranks_per_node(mesh.topology, mesh.world_size))
+        return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, groups, **sizes)
+    return BACKENDS[backend](table, mesh.ep_rank, mesh.ep_group, stats, **sizes)
 
 
 __all__ = [
     "BACKENDS",
+    "CombineInFlight",
     "CommStats",
-    "DispatchHandle",
+    "Dispatcher",
+    "DispatchPlan",
     "HierarchicalDispatcher",
+    "LocalPairs",
     "NodeGroups",
     "PhaseCounters",
     "PlacementTable",
+    "Received",
+    "SideChannel",
     "TorchDispatcher",
+    "TorchPlan",
     "TritonDispatcher",
     "choose_backend",
     "ep_nodes",
     "make_dispatcher",
-    "register_experts_implementation",
     "resolve_backend",
+    "triton_unavailable_reason",
 ]

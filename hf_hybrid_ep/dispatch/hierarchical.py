@@ -30,15 +30,18 @@ gradients in its backward, none in the combine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .alltoall import AsyncExchange, _exchange, all_to_all, all_to_all_async
+from .gathers import weighted_gather
+from .protocol import LocalPairs, Received, SideChannel
 from .stats import CommStats
 from .table import PlacementTable
-from .torch_backend import CONTROL_INTS, DispatchHandle, TorchDispatcher, host_ints, span_ids, weighted_gather
+from .torch_backend import TorchDispatcher, TorchPlan, host_ints, send_order_plan, span_ids
 
 
 @dataclass(frozen=True)
@@ -74,13 +77,14 @@ def node_groups(mesh, per_node: int) -> NodeGroups:
 
 
 @dataclass
-class HierarchicalHandle(DispatchHandle):
-    """A :class:`DispatchHandle` of the hierarchical dispatcher, for one token span.
+class HierarchicalPlan(TorchPlan):
+    """A :class:`~hf_hybrid_ep.dispatch.torch_backend.TorchPlan` of the hierarchical dispatcher, for one token
+    span.
 
-    The base fields keep their meaning for this rank's experts and shadows: ``recv_splits`` /
-    ``recv_counts`` are the rows arriving from each relay of this node (stage 2), ``send_splits`` the
-    pairs this rank forwards, as a relay, to each rank of its node (stage 2); ``order`` lists the shadow
-    pairs first (``num_sent`` is 0: no pair is sent as itself).
+    The base fields keep their meaning for this rank's experts and local pairs: ``recv_splits`` /
+    ``received`` are the rows arriving from each relay of this node (stage 2), ``send_splits`` the pairs this
+    rank forwards, as a relay, to each rank of its node (stage 2); ``order`` lists the local pairs first
+    (``num_sent`` is 0: no pair is sent as itself).
 
     Attributes:
         node_send / node_recv: node rows sent to / received from each node (stage 1; index = node).
@@ -97,7 +101,7 @@ class HierarchicalHandle(DispatchHandle):
     token_of_row: torch.Tensor | None = None
     row_of: torch.Tensor | None = None
     row_keys: torch.Tensor | None = None
-    relay: DispatchHandle | None = None
+    relay: TorchPlan | None = None
     relay_weights: torch.Tensor | None = None
 
 
@@ -182,51 +186,49 @@ class _PackedExchange(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Routes:
-    """Where this rank's ``[T, k]`` pairs go: ``sent`` (not dropped, not kept for a shadow), the destination
-    ``node`` and ``local_key`` (``local index · slots + slot``), the shadow mask and expert ids (``[T·k]``)."""
+    """Where this rank's ``[T, k]`` pairs go: ``sent`` (not dropped, not kept local), the destination ``node``
+    and ``local_key`` (``local index · slots + slot``), the local-pair mask and expert ids (``[T·k]``)."""
 
     sent: torch.Tensor
     node: torch.Tensor
     local_key: torch.Tensor
-    shadow: torch.Tensor
+    local: torch.Tensor
     flat: torch.Tensor
 
 
 class HierarchicalDispatcher(TorchDispatcher):
     """Node-deduplicating token exchange for an EP group that spans several nodes (see the module doc).
 
-    Same interface as :class:`TorchDispatcher`; :meth:`send` and :meth:`send_async` take the routing
-    weights (the relays form the partial sums). One counts exchange and one host read per layer.
+    A :class:`~hf_hybrid_ep.dispatch.protocol.Dispatcher`; :meth:`dispatch` uses the routing weights (the
+    relays form the partial sums). One counts exchange and one host read per layer.
     """
 
     name = "hierarchical"
 
     def __init__(self, table: PlacementTable, ep_rank: int, ep_group: dist.ProcessGroup | None, stats: CommStats,
-                 groups: NodeGroups, control_width: int | None = None) -> None:
-        super().__init__(table, ep_rank, ep_group, stats, control_width)
+                 groups: NodeGroups, *, count_slots: int | None = None, control_ints: int = 0) -> None:
+        super().__init__(table, ep_rank, ep_group, stats, count_slots=count_slots, control_ints=control_ints)
         self.groups = groups
-        self.max_slots = self.width - CONTROL_INTS  # counts stride: the same for every layer of the model
-        self.block = groups.per_node * self.max_slots + 1  # per span: a node's pair counts, then its node rows
+        self.block = groups.per_node * self.count_slots + 1  # per span: a node's pair counts, then its node rows
 
-    def plan_chunks(self, top_k_index: torch.Tensor, spans: list[tuple[int, int]],
-                    shadow_slot_of: torch.Tensor | None = None,
-                    control: torch.Tensor | None = None) -> list[HierarchicalHandle]:
+    def plan(self, top_k_index: torch.Tensor, side: SideChannel | None = None,
+             spans: Sequence[tuple[int, int]] | None = None) -> list[HierarchicalPlan]:
         """Route every pair, find each span's node rows, and exchange all counts in one message (one
         collective over the EP group, one host read)."""
+        side = side or SideChannel()
+        spans = list(spans) if spans is not None else [(0, top_k_index.shape[0])]
         num_tokens, k = top_k_index.shape
         g, device = self.groups, top_k_index.device
-        route = self._route(top_k_index, shadow_slot_of)
-        valid, dest_rank, dest_slot, shadow = route.valid, route.rank, route.slot, route.shadow
+        route = self._route(top_k_index, side.local_slot_of)
+        valid, dest_rank, dest_slot, local = route.valid, route.rank, route.slot, route.local
         routes = _Routes(
-            sent=(valid & ~shadow).view(num_tokens, k), node=(dest_rank // g.per_node).view(num_tokens, k),
+            sent=(valid & ~local).view(num_tokens, k), node=(dest_rank // g.per_node).view(num_tokens, k),
             # metadata bytes on the wire: int16 keys while they fit
             local_key=((dest_rank % g.per_node) * self.table.slots_per_rank + dest_slot).view(num_tokens, k).to(
                 torch.int16 if g.per_node * self.table.slots_per_rank < 2**15 else torch.int32),
-            shadow=shadow, flat=route.flat)
-        message, grids, num_shadow = self._counts_message(routes, dest_rank * self.table.slots_per_rank + dest_slot,
-                                                          spans)
-        if control is not None:
-            message[:, -CONTROL_INTS:] = control.to(device)
+            local=local, flat=route.flat)
+        message, grids, num_local = self._counts_message(routes, dest_rank * self.table.slots_per_rank + dest_slot,
+                                                         spans, side)
         received = torch.empty(self.table.ep_degree, message.shape[1], dtype=torch.long, device=device)
         outgoing = message.repeat_interleave(g.per_node, dim=0)  # EP rank d gets its node's row
         if self.ep_group is None:
@@ -234,34 +236,33 @@ class HierarchicalDispatcher(TorchDispatcher):
         else:
             dist.all_to_all_single(received, outgoing, group=self.ep_group)
         node_rows = message[:, self.block - 1 : len(spans) * self.block : self.block].T.reshape(-1)
-        host = host_ints(torch.cat([num_shadow, node_rows, received.reshape(-1)]))
+        host = host_ints(torch.cat([num_local, node_rows, received.reshape(-1)]))
         chunks, nodes = len(spans), g.nodes
         recv_host = host[chunks + chunks * nodes :]
         width = message.shape[1]
-        peer_control = [tuple(recv_host[r * width + width - CONTROL_INTS : (r + 1) * width])
-                        for r in range(self.table.ep_degree)]
-        return [self._span_handle(routes, span, c, grids[c], host[c], host[chunks + c * nodes : chunks + (c + 1) * nodes],
-                                  recv_host, received, width, shadow_slot_of, peer_control)
+        peer_control = self._peer_control(recv_host, width)
+        return [self._span_plan(routes, span, c, grids[c], host[c], host[chunks + c * nodes : chunks + (c + 1) * nodes],
+                                recv_host, received, width, side.local_slot_of, peer_control)
                 for c, span in enumerate(spans)]
 
-    def _counts_message(self, routes: _Routes, pair_dest: torch.Tensor,
-                        spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """``[nodes, spans · block + CONTROL_INTS]`` int64: per node and span, this rank's pair counts for every
-        (local index, slot) of the node (stride ``max_slots``), then the node rows it sends there; and per
+    def _counts_message(self, routes: _Routes, pair_dest: torch.Tensor, spans: list[tuple[int, int]],
+                        side: SideChannel) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """``[nodes, spans · block + control_ints]`` int64: per node and span, this rank's pair counts for every
+        (local index, slot) of the node (stride ``count_slots``), then the node rows it sends there; and per
         span the ``[nodes · tokens]`` node-major grid of which tokens have a pair on which node. Every rank
         of a node receives the node's row: as a relay it reads all of it, as a destination its own counts.
-        Also ``[spans]`` the pairs kept for local shadows per span (their sort bin, as in the torch backend)."""
+        Also ``[spans]`` the pairs kept local per span (their sort bin, as in the torch backend)."""
         g, device = self.groups, pair_dest.device
-        ep, slots, stride = self.table.ep_degree, self.table.slots_per_rank, self.max_slots
+        ep, slots, stride = self.table.ep_degree, self.table.slots_per_rank, self.count_slots
         num_tokens, k = routes.sent.shape
         bins = ep * slots + 2
-        not_sent = torch.where(routes.shadow, ep * slots, ep * slots + 1)
+        not_sent = torch.where(routes.local, ep * slots, ep * slots + 1)
         key = (torch.where(routes.sent.reshape(-1), pair_dest, not_sent)
                + span_ids(num_tokens, spans, device).repeat_interleave(k) * bins)
         pair_count = torch.zeros(len(spans) * bins, dtype=torch.long, device=device)
         pair_count.scatter_add_(0, key, torch.ones_like(key))
         pair_count = pair_count.view(len(spans), bins)
-        message = torch.zeros(g.nodes, len(spans) * self.block + CONTROL_INTS, dtype=torch.long, device=device)
+        message = self._message(g.nodes, len(spans) * self.block - self.count_slots, side, device)
         grids = []
         for c, (a, b) in enumerate(spans):
             tokens = b - a
@@ -277,12 +278,12 @@ class HierarchicalDispatcher(TorchDispatcher):
             block[:, -1] = grids[-1].view(g.nodes, tokens).sum(1)
         return message, grids, pair_count[:, ep * slots]
 
-    def _span_handle(self, routes: _Routes, span: tuple[int, int], c: int, grid: torch.Tensor, num_shadow: int,
-                     node_send: list[int], recv_host: list[int], received: torch.Tensor, width: int,
-                     shadow_slot_of: torch.Tensor | None, peer_control: list) -> HierarchicalHandle:
-        """The handle of span ``c`` from the exchanged counts (host ints) and this rank's routes."""
+    def _span_plan(self, routes: _Routes, span: tuple[int, int], c: int, grid: torch.Tensor, num_local: int,
+                   node_send: list[int], recv_host: list[int], received: torch.Tensor, width: int,
+                   local_slot_of: torch.Tensor | None, peer_control: list) -> HierarchicalPlan:
+        """The plan of span ``c`` from the exchanged counts (host ints) and this rank's routes."""
         g, (a, b) = self.groups, span
-        slots, stride, k = self.table.slots_per_rank, self.max_slots, routes.sent.shape[1]
+        slots, stride, k = self.table.slots_per_rank, self.count_slots, routes.sent.shape[1]
         off, tokens = c * self.block, b - a
 
         def at(rank: int, col: int) -> int:
@@ -296,82 +297,76 @@ class HierarchicalDispatcher(TorchDispatcher):
         recv_splits = [sum(recv_counts_host[src * slots : (src + 1) * slots]) for src in range(g.per_node)]
         col = off + g.local * stride
         recv_counts = received.view(g.nodes, g.per_node, width)[:, :, col : col + slots].sum(0).reshape(-1)
-        slot_ids = torch.arange(slots, device=received.device).repeat(g.per_node)
-        local_slot = torch.repeat_interleave(slot_ids, recv_counts, output_size=sum(recv_splits))
         cells = torch.sort((~grid).to(torch.int8), stable=True)[1][: sum(node_send)]  # rows: node-major, then token
         token_of_row, node_of_row = cells % tokens, cells // tokens
         row_of = torch.where(grid, torch.cumsum(grid, 0) - 1, -1).view(g.nodes, tokens).T.contiguous()
         sent, node = routes.sent[a:b][token_of_row], routes.node[a:b][token_of_row]
         on_row_node = sent & (node == node_of_row.unsqueeze(1))
         row_keys = torch.where(on_row_node, routes.local_key[a:b][token_of_row], -1)
-        shadow_order, shadow_slot = torch.arange(tokens * k, device=received.device), None
-        if num_shadow:  # shadow pairs first
-            shadow_order = torch.sort((~routes.shadow[a * k : b * k]).to(torch.int8), stable=True)[1]
-            shadow_slot = shadow_slot_of[routes.flat[shadow_order[:num_shadow] + a * k]]
-        return HierarchicalHandle(
-            shadow_order, 0, relay_send, recv_splits, tokens, k, local_slot, recv_counts, recv_counts_host,
-            num_shadow=num_shadow, shadow_slot=shadow_slot, peer_control=peer_control, node_send=node_send,
-            node_recv=node_recv, token_of_row=token_of_row, row_of=row_of, row_keys=row_keys,
+        local_order, local = torch.arange(tokens * k, device=received.device), None
+        if num_local:  # local pairs first
+            local_order = torch.sort((~routes.local[a * k : b * k]).to(torch.int8), stable=True)[1]
+            kept = local_order[:num_local]
+            local = LocalPairs(kept // k, local_slot_of[routes.flat[kept + a * k]])
+        return HierarchicalPlan(
+            tokens, k, Received(g.per_node, slots, recv_counts, recv_counts_host), local=local,
+            peer_control=peer_control, order=local_order, num_sent=0, send_splits=relay_send, recv_splits=recv_splits,
+            node_send=node_send, node_recv=node_recv, token_of_row=token_of_row, row_of=row_of, row_keys=row_keys,
         )
 
     # ------------------------------------------------------------------ dispatch
-    def _stage_one(self, hidden: torch.Tensor, handle: HierarchicalHandle, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _stage_one(self, hidden: torch.Tensor, plan: HierarchicalPlan, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Node rows to the relays; returns the pairs this rank forwards, in stage-2 send order."""
         g = self.groups
-        if top_k_weights is None:
-            raise ValueError("the hierarchical dispatcher needs the routing weights at send time")
-        rows = _TokenRows.apply(hidden, handle.token_of_row, handle.row_of)
-        weights = torch.where(handle.row_keys >= 0, top_k_weights.index_select(0, handle.token_of_row),
+        rows = _TokenRows.apply(hidden, plan.token_of_row, plan.row_of)
+        weights = torch.where(plan.row_keys >= 0, top_k_weights.index_select(0, plan.token_of_row),
                               top_k_weights.new_zeros(()))
-        rows1, weights1, keys1 = _PackedExchange.apply(rows, weights, handle.row_keys, handle.node_send,
-                                                       handle.node_recv, g.inter_group, self.stats, g.node)
+        rows1, weights1, keys1 = _PackedExchange.apply(rows, weights, plan.row_keys, plan.node_send,
+                                                       plan.node_recv, g.inter_group, self.stats, g.node)
         keys = keys1.reshape(-1).long()
         order = torch.sort(torch.where(keys >= 0, keys, g.per_node * self.table.slots_per_rank), stable=True)[1]
-        handle.relay = DispatchHandle(order, sum(handle.send_splits), handle.send_splits, [], rows1.shape[0],
-                                      handle.top_k)
-        handle.relay_weights = weights1
-        return self._permute(rows1, order, handle.relay.num_sent, handle.top_k)
+        plan.relay = send_order_plan(order, plan.send_splits, rows1.shape[0], plan.top_k)
+        plan.relay_weights = weights1
+        return self._permute(rows1, order, plan.relay.num_sent, plan.top_k)
 
-    def send(self, hidden: torch.Tensor, handle: HierarchicalHandle, async_op: bool = False,
-             top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage 1 then stage 2; the rows this rank's experts compute (with ``async_op`` only stage 2 is
-        asynchronous: valid after ``handle.wait()``)."""
-        return all_to_all(self._stage_one(hidden, handle, top_k_weights), handle.send_splits, handle.recv_splits,
-                          self.groups.intra_group, stats=self.stats, phase="dispatch", self_index=self.groups.local,
-                          pending=handle if async_op else None)
+    def dispatch(self, hidden: torch.Tensor, plan: HierarchicalPlan, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Stage 1 then stage 2; the rows this rank's experts compute."""
+        return all_to_all(self._stage_one(hidden, plan, top_k_weights), plan.send_splits, plan.recv_splits,
+                          self.groups.intra_group, stats=self.stats, phase="dispatch", self_index=self.groups.local)
 
-    def send_async(self, hidden: torch.Tensor, handle: HierarchicalHandle,
-                   top_k_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, AsyncExchange]:
+    def dispatch_async(self, hidden: torch.Tensor, plan: HierarchicalPlan,
+                       top_k_weights: torch.Tensor) -> tuple[torch.Tensor, AsyncExchange]:
         """Stage 1 (blocking), then stage 2 asynchronous in forward and backward."""
-        return all_to_all_async(self._stage_one(hidden, handle, top_k_weights), handle.send_splits,
-                                handle.recv_splits, self.groups.intra_group, stats=self.stats, phase="dispatch",
+        return all_to_all_async(self._stage_one(hidden, plan, top_k_weights), plan.send_splits,
+                                plan.recv_splits, self.groups.intra_group, stats=self.stats, phase="dispatch",
                                 self_index=self.groups.local)
 
     # ------------------------------------------------------------------ combine
-    def _partial_sums(self, expert_out: torch.Tensor, handle: HierarchicalHandle) -> torch.Tensor:
+    def _partial_sums(self, expert_out: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
         """Stage 2 reversed, then each received node row's ``Σ_j w_j · y_j`` at this relay: ``[R1, H]``."""
         g = self.groups
-        back = all_to_all(expert_out, handle.recv_splits, handle.send_splits, g.intra_group, stats=self.stats,
+        back = all_to_all(expert_out, plan.recv_splits, plan.send_splits, g.intra_group, stats=self.stats,
                           phase="combine", self_index=g.local)
         # in the rows' dtype on the wire (bf16 rows under autocast stay bf16; the sum itself is promoted)
-        return weighted_gather(back, handle.relay_weights, handle.relay).to(expert_out.dtype)
+        relay = plan.relay
+        return weighted_gather(back, plan.relay_weights, relay.position, relay.order).to(expert_out.dtype)
 
-    def send_back(self, expert_out: torch.Tensor, handle: HierarchicalHandle, pending=None) -> torch.Tensor:
+    def _send_back(self, expert_out: torch.Tensor, plan: HierarchicalPlan, pending=None) -> torch.Tensor:
         """Partial sums at the relays, one row per node row back across (asynchronous with ``pending``)."""
-        return all_to_all(self._partial_sums(expert_out, handle), handle.node_recv, handle.node_send,
+        return all_to_all(self._partial_sums(expert_out, plan), plan.node_recv, plan.node_send,
                           self.groups.inter_group, stats=self.stats, phase="combine_inter",
                           self_index=self.groups.node, pending=pending)
 
-    def send_back_async(self, expert_out: torch.Tensor, handle: HierarchicalHandle) -> tuple[torch.Tensor, AsyncExchange]:
+    def _send_back_async(self, expert_out: torch.Tensor, plan: HierarchicalPlan) -> tuple[torch.Tensor, AsyncExchange]:
         """Stage 2 reversed (blocking), then the cross-node return asynchronous in forward and backward."""
-        return all_to_all_async(self._partial_sums(expert_out, handle), handle.node_recv, handle.node_send,
+        return all_to_all_async(self._partial_sums(expert_out, plan), plan.node_recv, plan.node_send,
                                 self.groups.inter_group, stats=self.stats, phase="combine_inter",
                                 self_index=self.groups.node)
 
-    def finish_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, handle: HierarchicalHandle,
-                       shadow_out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[T, H]``: the sum of each token's node rows' partial sums, plus its shadow pairs' weighted outputs."""
-        out = _SumNodeRows.apply(back, handle.row_of, handle.token_of_row)
-        if shadow_out is not None:  # the shadow pairs lead handle.order
-            out = out + weighted_gather(shadow_out.to(back.dtype), top_k_weights, handle)
+    def _finish_combine(self, back: torch.Tensor, top_k_weights: torch.Tensor, plan: HierarchicalPlan,
+                        local_out: torch.Tensor | None) -> torch.Tensor:
+        """``[T, H]``: the sum of each token's node rows' partial sums, plus its local pairs' weighted outputs."""
+        out = _SumNodeRows.apply(back, plan.row_of, plan.token_of_row)
+        if local_out is not None:  # the local pairs lead plan.order
+            out = out + weighted_gather(local_out.to(back.dtype), top_k_weights, plan.position, plan.order)
         return out

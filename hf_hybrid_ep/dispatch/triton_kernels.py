@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gathers import inverse_permutation
+
 BLOCK_H = 128
 
 
@@ -98,13 +100,6 @@ def _grid(rows: int, hidden: int) -> tuple[int, int]:
     return (rows, triton.cdiv(hidden, BLOCK_H))
 
 
-def positions_of(order: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``order``: the row each (token, k) pair occupies (int64 [T*k])."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
-    return position
-
-
 class FusedPermute(torch.autograd.Function):
     """``rows[i] = hidden[order[i] // k]`` for the first ``num_rows`` entries of ``order``."""
 
@@ -126,7 +121,7 @@ class FusedPermute(torch.autograd.Function):
         grad = grad_rows.new_empty((tokens, width))
         if tokens:
             _gather_sum_kernel[_grid(tokens, width)](
-                grad_rows.contiguous(), grad, positions_of(order), ctx.num_rows, ctx.top_k, width, BLOCK=BLOCK_H
+                grad_rows.contiguous(), grad, inverse_permutation(order), ctx.num_rows, ctx.top_k, width, BLOCK=BLOCK_H
             )
         return grad, None, None, None
 
@@ -141,7 +136,7 @@ class FusedUnpermuteCombine(torch.autograd.Function):
         width = rows.shape[1]
         out_dtype = torch.promote_types(rows.dtype, weights.dtype)
         out = rows.new_empty((num_tokens, width), dtype=out_dtype)
-        position = positions_of(order)
+        position = inverse_permutation(order)
         if num_tokens:
             _combine_kernel[_grid(num_tokens, width)](
                 rows, weights, position, out, rows.shape[0], top_k, width, BLOCK=BLOCK_H

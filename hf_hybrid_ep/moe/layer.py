@@ -1,9 +1,11 @@
-"""The expert-parallel layer: one fused experts module's forward as dispatch → local experts → combine.
+"""The expert-parallel layer: one fused experts module's forward as route → plan → dispatch → compute → combine.
 
-The module keeps only this rank's experts (:meth:`ShardedExperts.shard_`); its forward routes
-each (token, expert) pair to the rank holding the expert through a dispatcher
-(:mod:`hf_hybrid_ep.dispatch`), runs transformers' own experts forward on the received rows, and
-combines the returned rows with the routing weights. See docs/architecture.md, "A token's path".
+The module keeps only this rank's experts (:meth:`ShardedExperts.shard_`). Its forward applies capacity and
+counts the load (route), plans the exchange with one counts exchange that also carries the input-agreement
+integers and the local copies (plan), sends each (token, expert) pair to the rank holding the expert
+(dispatch, :mod:`hf_hybrid_ep.dispatch`), runs this rank's experts on the received rows (compute,
+:class:`~hf_hybrid_ep.moe.experts.ExpertCompute`) and returns the outputs weighted by the routing weights
+(combine). See docs/architecture.md, "A token's path".
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..dispatch import CommStats, PlacementTable, make_dispatcher
-from ..dispatch.torch_backend import autocast_dtype
+from ..dispatch import CommStats, DispatchPlan, PlacementTable, SideChannel, make_dispatcher
 from ..errors import HybridEPConfigError
-from ..parallel.agreement import InputAgreement, input_flags
+from ..parallel.agreement import CONTROL_INTS, InputAgreement, control_vector
 from ..parallel.mesh import HybridMesh, all_gather_flat
-from .discovery import ExpertsLayout, expert_parameter_names
+from .discovery import expert_parameter_names
+from .experts import ExpertCompute, autocast_dtype
 from .routing import apply_capacity
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ class EPLayerOptions:
         dispatcher: backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"hierarchical"``).
         check_finite: raise on every rank when a layer's input holds NaN or inf.
         alignment: rows per expert padded to a multiple of this (the Triton backend's tile).
-        control_width: ints per counts message (equal for every layer, see ``parallelize``).
+        count_slots: slots per EP rank in every counts message (equal for every layer, see ``parallelize``).
         capacity_factor / drop_policy: token capacity per expert and which pairs are dropped over it.
         overlap_degree: token chunks whose exchanges overlap the experts' compute.
     """
@@ -42,14 +44,14 @@ class EPLayerOptions:
     dispatcher: str = "auto"
     check_finite: bool = False
     alignment: int = 1
-    control_width: int | None = None
+    count_slots: int | None = None
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     overlap_degree: int = 1
 
     @classmethod
-    def from_config(cls, config: HybridEPConfig, control_width: int | None = None) -> EPLayerOptions:
-        return cls(config.dispatcher, config.check_finite, config.expert_alignment, control_width,
+    def from_config(cls, config: HybridEPConfig, count_slots: int | None = None) -> EPLayerOptions:
+        return cls(config.dispatcher, config.check_finite, config.expert_alignment, count_slots,
                    config.capacity_factor, config.drop_policy, config.overlap_degree)
 
 
@@ -58,9 +60,8 @@ class ShardedExperts:
     (not an ``nn.Module``: it owns no parameters of its own; the module keeps this rank's experts).
 
     Keeps this rank's experts as plain parameters (local slots in placement-table order) and runs
-    ``forward(hidden [T,H], top_k_index [T,k], top_k_weights [T,k]) -> [T,H]`` as:
-    dispatch → the module's own transformers experts implementation on the local slots with unit
-    weights (grouped_mm where it runs, a loop otherwise) → combine with the routing weights.
+    ``forward(hidden [T,H], top_k_index [T,k], top_k_weights [T,k]) -> [T,H]`` as route → plan → dispatch →
+    compute (:attr:`experts`, unit weights) → combine with the routing weights.
     """
 
     def __init__(
@@ -84,7 +85,6 @@ class ShardedExperts:
         self.table = table
         self.mesh = mesh
         self.options = options
-        self.layout = ExpertsLayout.of(module)
         self.num_experts = table.num_experts
         self.local_experts = table.local_experts(mesh.ep_rank)
         self.param_names = expert_parameter_names(name, module)
@@ -96,12 +96,13 @@ class ShardedExperts:
         self.shadows = None  # a shadow.LayerShadows while hot-expert shadowing holds remote experts here
         self.agreement = agreement
         self.dispatcher = self._make_dispatcher(table)
-        self._local_forward = type(module).forward  # the decorated forward: honours config._experts_implementation
+        fused = self.dispatcher.name == "triton"  # the same kernels regroup the received rows
+        self.experts = ExpertCompute(module, alignment=options.alignment if fused else 1, fused=fused)
 
     def _make_dispatcher(self, table: PlacementTable):
         o = self.options
-        return make_dispatcher(o.dispatcher, table, self.mesh, self.stats, alignment=o.alignment,
-                               control_width=o.control_width)
+        return make_dispatcher(o.dispatcher, table, self.mesh, self.stats, count_slots=o.count_slots,
+                               control_ints=CONTROL_INTS)
 
     def shard_(self) -> None:
         """Replace each per-expert parameter by a fresh parameter holding only this rank's slots."""
@@ -184,13 +185,37 @@ class ShardedExperts:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` outputs of this layer's experts for ``hidden_states [T, H]`` routed by ``top_k_index`` /
-        ``top_k_weights [T, k]``: dispatch → local experts → combine. One counts exchange and the token
+        ``top_k_weights [T, k]``: route → plan → dispatch → compute → combine. One counts exchange and the token
         exchanges, all inside the EP group; NaN outputs and no exchange once the EP group has seen bad
-        inputs or a layer mismatch in this forward (:mod:`hf_hybrid_ep.parallel.agreement` raises on every rank)."""
-        agreement = self.agreement
-        if agreement is not None and agreement.degraded:
+        inputs or a layer mismatch in this forward (:mod:`hf_hybrid_ep.parallel.agreement` raises on every rank).
+        Under autocast over wider weights the rows travel and the experts compute in autocast's dtype (as
+        ``F.linear`` would); the output returns in the input's dtype."""
+        if self.agreement is not None and self.agreement.degraded:
             return self._skipped(hidden_states)
-        control = self._control(hidden_states, top_k_index, top_k_weights)
+        control = control_vector(hidden_states, top_k_index, top_k_weights, self.num_experts, self.layer_id,
+                                 self.options.check_finite)
+        top_k_index = self._route(top_k_index, top_k_weights)
+        side = SideChannel(control=control, local_slot_of=self._local_slot_of(top_k_index.device))
+        compute = autocast_dtype(hidden_states)
+        x = hidden_states if compute is None else hidden_states.to(compute)
+        if self.options.overlap_degree > 1:
+            return self._forward_pipelined(x, top_k_index, top_k_weights, side).to(hidden_states.dtype)
+        plan = self.dispatcher.plan(top_k_index, side)[0]
+        if self._disagreed(plan):
+            return self._skipped(hidden_states)
+        rows = self.dispatcher.dispatch(x, plan, top_k_weights)
+        overlap = None
+        if self.shared_overlap is not None:
+            self.shared_overlap.experts_ran = True
+            if self.shared_overlap.after_experts:
+                overlap = lambda: self.shared_overlap.precompute(hidden_states)  # noqa: E731
+        expert_out = self.experts(rows, plan.received)
+        out = self.dispatcher.combine(expert_out, top_k_weights, plan, local_out=self._local_out(x, plan),
+                                      overlap_with=overlap)
+        return out.to(hidden_states.dtype)
+
+    def _route(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The pairs this layer exchanges: over-capacity pairs dropped (expert id -1), the load counted."""
         dropped = 0
         o = self.options
         if o.capacity_factor is not None:
@@ -199,94 +224,60 @@ class ShardedExperts:
             )
         if self.routing is not None:
             self.routing.count(top_k_index, dropped)
-        shadow_slot_of = None
-        if self.shadows is not None:
-            self.shadows.wait()  # the weights fetched after the last optimizer step
-            shadow_slot_of = self.shadows.slot_of(top_k_index.device)
-        # Under autocast over wider weights the rows travel and the experts compute in autocast's dtype (as
-        # F.linear would); the output returns in the input's dtype.
-        compute = autocast_dtype(hidden_states)
-        x = hidden_states if compute is None else hidden_states.to(compute)
-        if o.overlap_degree > 1:
-            return self._forward_pipelined(x, top_k_index, top_k_weights, shadow_slot_of, control).to(hidden_states.dtype)
-        handle = self.dispatcher.plan(top_k_index, shadow_slot_of, control)
-        if agreement is not None and agreement.check(self.layer_id, handle.peer_control):
-            return self._skipped(hidden_states)
-        rows = self.dispatcher.send(x, handle, top_k_weights=top_k_weights)
-        overlap = None
-        if self.shared_overlap is not None:
-            self.shared_overlap.experts_ran = True
-            if self.shared_overlap.after_experts:
-                overlap = lambda: self.shared_overlap.precompute(hidden_states)  # noqa: E731
-        out = self.dispatcher.combine(self._experts(rows, handle), top_k_weights, handle, overlap_with=overlap,
-                                      shadow_out=self._shadow_experts(x, handle))
-        return out.to(hidden_states.dtype)
+        return top_k_index
 
-    def _control(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``[2]`` int64 on the device: this rank's input flags and layer id, for the counts exchange."""
-        if self.options.check_finite:
-            flags = input_flags(hidden, index, weights, self.num_experts)
-        else:
-            flags = torch.zeros((), dtype=torch.long, device=hidden.device)
-        return torch.stack([flags, flags.new_full((), self.layer_id)])
+    def _local_slot_of(self, device: torch.device) -> torch.Tensor | None:
+        """``[E]`` this rank's shadow slot of each expert (-1: none), or ``None`` without shadows."""
+        if self.shadows is None:
+            return None
+        self.shadows.wait()  # the weights fetched after the last optimizer step
+        return self.shadows.slot_of(device)
+
+    def _disagreed(self, plan: DispatchPlan) -> bool:
+        """Whether the EP group saw bad inputs or a layer mismatch in this plan's counts exchange."""
+        return self.agreement is not None and self.agreement.check(self.layer_id, plan.peer_control)
 
     @staticmethod
     def _skipped(hidden: torch.Tensor) -> torch.Tensor:
         return torch.full_like(hidden, float("nan"))
 
-    def _shadow_experts(self, hidden: torch.Tensor, handle) -> torch.Tensor | None:
+    def _local_out(self, hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor | None:
         """This rank's shadows (local replicas of remote experts) on its own pairs for them, through the
         module's own experts implementation with the shadow weights swapped in; ``None`` when none."""
-        if not handle.num_shadow:
+        if plan.local is None:
             return None
-        rows = self.dispatcher.shadow_rows(hidden, handle)
+        rows = hidden[plan.local.tokens]
         self.shadows.count_rows(self.stats.shadow, rows)
-        module = self.module
-        saved, saved_count = {p: module._parameters[p] for p in self.param_names}, module.num_experts
-        try:
-            module._parameters.update(self.shadows.params)
-            module.num_experts = len(self.shadows.experts)
-            unit = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-            return self._local_forward(module, rows, handle.shadow_slot.unsqueeze(1), unit)
-        finally:
-            module._parameters.update(saved)
-            module.num_experts = saved_count
-
-    def _experts(self, rows: torch.Tensor, handle) -> torch.Tensor:
-        """This rank's experts on received rows (unit weights: the sender applies the routing weights)."""
-        return self.dispatcher.run_experts(self.module, self._local_forward, rows, handle)
+        return self.experts.local(rows, plan.local.slots, self.shadows.params)
 
     def _forward_pipelined(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                           shadow_slot_of: torch.Tensor | None, control: torch.Tensor) -> torch.Tensor:
+                           side: SideChannel) -> torch.Tensor:
         """Split the tokens into ``overlap_degree`` chunks, all planned by one counts exchange. The token
         exchange of chunk i+1 runs while the experts of chunk i compute, and every chunk's return exchange
         is waited for only after the last chunk's experts. Both directions of every exchange are asynchronous
         (:class:`~hf_hybrid_ep.dispatch.alltoall.AsyncExchange`), so in backward the experts of one chunk run
         while the other chunks' gradients travel. Every rank runs the same number of chunks (a chunk may be
-        empty), so the collectives pair up in the same order everywhere."""
+        empty), so the collectives pair up in the same order everywhere. Returns the combine's dtype."""
         chunks = self.options.overlap_degree
         bounds = [hidden.shape[0] * i // chunks for i in range(chunks + 1)]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        handles = self.dispatcher.plan_chunks(index, spans, shadow_slot_of, control)
-        if self.agreement is not None and self.agreement.check(self.layer_id, handles[0].peer_control):
+        plans = self.dispatcher.plan(index, side, spans)
+        if self._disagreed(plans[0]):
             return self._skipped(hidden)
-        pending = self.dispatcher.send_async(hidden[spans[0][0] : spans[0][1]], handles[0],
-                                             top_k_weights=weights[spans[0][0] : spans[0][1]])
-        returns = []
+        pending = self.dispatcher.dispatch_async(hidden[spans[0][0] : spans[0][1]], plans[0],
+                                                 weights[spans[0][0] : spans[0][1]])
+        in_flight = []
         for i, (a, b) in enumerate(spans):
             following = None
             if i + 1 < chunks:
                 na, nb = spans[i + 1]
-                following = self.dispatcher.send_async(hidden[na:nb], handles[i + 1], top_k_weights=weights[na:nb])
+                following = self.dispatcher.dispatch_async(hidden[na:nb], plans[i + 1], weights[na:nb])
             rows, exchange = pending
-            expert_out = self._experts(exchange.wait(rows), handles[i])
-            returns.append((*self.dispatcher.send_back_async(expert_out, handles[i]),
-                            self._shadow_experts(hidden[a:b], handles[i])))
+            expert_out = self.experts(exchange.wait(rows), plans[i].received)
+            in_flight.append((self.dispatcher.combine_async(expert_out, plans[i]), self._local_out(hidden[a:b], plans[i])))
             pending = following
-        outputs = []
-        for (a, b), handle, (back, exchange, shadow_out) in zip(spans, handles, returns, strict=True):
-            outputs.append(self.dispatcher.finish_combine(exchange.wait(back), weights[a:b], handle, shadow_out))
-        return torch.cat(outputs)  # in the combine's dtype: the caller casts
+        return torch.cat([combine.wait(weights[a:b], local_out)
+                          for (a, b), (combine, local_out) in zip(spans, in_flight, strict=True)])
 
 
 class SharedExpertOverlap:

@@ -24,6 +24,18 @@ import torch.distributed as dist
 from .mesh import HybridMesh, current_device
 
 NONFINITE, BAD_INDEX = 1, 2
+CONTROL_INTS = 2  # (input flags, layer id): the control integers of every counts exchange
+
+
+def control_vector(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                   layer_id: int, check_finite: bool) -> torch.Tensor:
+    """``[CONTROL_INTS]`` int64 on the device: this rank's :func:`input_flags` (0 unless ``check_finite``) and
+    ``layer_id``, the side channel of the layer's counts exchange."""
+    if check_finite:
+        flags = input_flags(hidden, index, weights, num_experts)
+    else:
+        flags = torch.zeros((), dtype=torch.long, device=hidden.device)
+    return torch.stack([flags, flags.new_full((), layer_id)])
 
 
 def input_flags(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
