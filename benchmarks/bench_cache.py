@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig
 
 import hf_hybrid_ep as hep
 from benchmarks.common.demo import DEMO_ASSETS
-from hf_hybrid_ep.inference.offload import POLICIES, replay
+from hf_hybrid_ep.inference.policies import POLICIES, replay
 from hf_hybrid_ep.moe.discovery import find_experts_modules
 from hf_hybrid_ep.moe.routing import find_router
 

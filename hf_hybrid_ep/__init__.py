@@ -8,34 +8,31 @@ from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
 from .config import HybridEPConfig, ParallelDims
 from .dispatch import PlacementTable
-from .errors import HybridEPConfigError
-from .hub import push_to_hub
-from .inference.offload import (
-    ExpertCache,
-    MemoryStore,
-    SafetensorsStore,
-    cache_stats,
-    load_offloaded,
-    offload,
-    resize_offload,
-)
-from .memory import memory_report
-from .moe.discovery import find_experts_modules, is_fused_experts
-from .moe.experts import register_experts_implementation
-from .moe.freeze import ExpertFreezer
-from .parallel.grads import clip_grad_norm_, no_sync
-from .parallel.mesh import HybridMesh, build_mesh
-from .parallel.zero import ShardedOptimizer, make_optimizer, shard_optimizer
-from .parallelize import (
+from .engine import (
+    ExpertFreezer,
     after_optimizer_step,
+    clip_grad_norm_,
     comm_stats,
     full_state_dict,
     layer_counters,
+    make_optimizer,
+    no_sync,
     parallelize,
     reset_comm_stats,
+    shard_optimizer,
+    state_of,
     wait_for_parameters,
 )
-from .state import state_of
+from .errors import HybridEPConfigError
+from .hub import push_to_hub
+from .inference.offload import cache_stats, load_offloaded, offload, resize_offload
+from .inference.policies import ExpertCache
+from .inference.stores import MemoryStore, SafetensorsStore
+from .memory import memory_report
+from .moe.discovery import find_experts_modules, is_fused_experts
+from .moe.experts import register_experts_implementation
+from .parallel.mesh import HybridMesh, build_mesh
+from .parallel.zero import ShardedOptimizer
 
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .engine.state import state_of
 from .parallel.mesh import local_tensor
-from .state import state_of
 
 logger = logging.getLogger("hf_hybrid_ep")
 
@@ -110,8 +110,8 @@ def measure(model_type: str = "qwen3_moe", num_experts: int = 4, dp: int | None 
     import torch.distributed as dist
 
     from .config import HybridEPConfig
-    from .parallel.zero import make_optimizer
-    from .parallelize import parallelize
+    from .engine.optimizers import make_optimizer
+    from .engine.setup import parallelize
     from .planning.counts import count_parameters, rank_state_bytes
 
     model = _tiny_model(model_type, num_experts, **model_kwargs)

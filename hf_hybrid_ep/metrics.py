@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from .engine.state import state_of
 from .errors import HybridEPConfigError
 from .planning.placement import rank_loads
 from .planning.placement.stats import check_records
-from .state import state_of
 
 JSONL_NAME = "expert_load.jsonl"
 

@@ -92,10 +92,8 @@ class _Inject:
                 if layer.shadows is not None:
                     layer.shadows.active = False
 
-        hooks = state.reducer.pre_reduce_hooks
-        index = hooks.index(shadows.return_gradients)
-        hooks[index] = expire_only
-        undo.append(lambda: hooks.__setitem__(index, shadows.return_gradients))
+        shadows.return_gradients = expire_only  # what the backward sequence calls, this case only
+        undo.append(lambda: delattr(shadows, "return_gradients"))
 
     @staticmethod
     def routing_weights_twice(state, undo: list) -> None:

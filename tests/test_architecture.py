@@ -10,13 +10,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_hybrid_ep"
 
 # docs/architecture.md, "Layers": a module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("errors", "state")),
+    ("leaves", ("errors",)),
     ("configuration", ("config", "parallel.topology")),
     ("process groups", ("parallel",)),
     ("token exchange", ("dispatch",)),
     ("placement", ("planning.placement",)),
     ("MoE layer", ("moe",)),
-    ("orchestration", ("parallelize",)),
+    ("orchestration", ("engine",)),
     ("artifacts and planning", ("checkpoint", "inference", "memory", "metrics", "planning")),
     ("entry points", ("integrations", "hub", "cli", "")),
 ]

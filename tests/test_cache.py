@@ -13,8 +13,8 @@ from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.inference import offload as offloading
-from hf_hybrid_ep.inference.offload import ExpertCache, replay
-from hf_hybrid_ep.state import offload_state_of
+from hf_hybrid_ep.inference.offload import offload_state_of
+from hf_hybrid_ep.inference.policies import ExpertCache, replay
 
 
 def _evictions(policy: str, trace, capacity: int = 2, **kw) -> list[int]:

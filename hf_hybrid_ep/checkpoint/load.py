@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from ..config import HybridEPConfig
+from ..engine.state import state_of
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
 from ..parallel.devices import rank_device
 from ..parallel.mesh import default_device_type
-from ..state import state_of
 from .atomic import open_checkpoint
 from .convert import hub_metadata
 from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
@@ -294,7 +294,7 @@ def from_pretrained(
     sha256 unless ``verify=False`` (default: ``config.verify_checksums``, on). No code from the
     checkpoint runs unless ``trust_remote_code=True``.
     """
-    from ..parallelize import parallelize
+    from ..engine.setup import parallelize
 
     fetch = None
     if Path(path).is_dir():

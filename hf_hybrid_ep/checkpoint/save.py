@@ -11,8 +11,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.state import state_of
 from ..parallel.heartbeat import Heartbeat
-from ..state import state_of
 from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
 from .format import INDEX_NAME
 from .manifest import read_manifest, write_manifest

@@ -14,7 +14,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..state import state_of
+from ..engine.state import state_of
 from .manifest import CheckpointVerifier, save_metadata
 
 SIDE_FILE = "hybrid_ep_state.safetensors"

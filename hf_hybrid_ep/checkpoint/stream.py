@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.model_io import gather_scratch, host_tensors, savable_state
+from ..engine.state import state_of
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
 from ..parallel.heartbeat import FAILED, WORKING, Heartbeat
-from ..parallelize import gather_scratch, host_tensors, savable_state
-from ..state import state_of
 from .convert import HybridLayout
 from .format import FileInfo
 from .layout import ModelExperts

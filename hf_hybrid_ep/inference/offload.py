@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.state import is_parallelized
 from ..errors import HybridEPConfigError
 from ..moe.discovery import expert_parameter_names, find_experts_modules
 from ..moe.routing import find_router
 from ..parallel.devices import place_module
-from ..state import attach_offload, is_parallelized, offload_state_of
-from .policies import POLICIES, CacheStats, ExpertCache, replay  # noqa: F401  (the names of hf_hybrid_ep.cache)
+from .policies import ExpertCache
 from .stores import MemoryStore, SafetensorsStore, _make_store
 
 STAGING_BUFFERS = 4  # pinned host buffers of one expert each, shared by every layer of an offloaded model
@@ -44,6 +44,26 @@ def _aligned(nbytes: int) -> int:
 def pinned_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-locked host memory (a CUDA copy from it runs asynchronously)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_ATTRIBUTE = "_hybrid_ep_offload"
+
+
+def attach_offload(model: nn.Module, layers: list[OffloadedExperts]) -> None:
+    """Attach the offloaded expert layers of :func:`offload` to ``model``."""
+    setattr(model, _ATTRIBUTE, layers)
+
+
+def offload_state_of(model: nn.Module) -> list[OffloadedExperts]:
+    """The offloaded expert layers :func:`offload` attached to ``model``.
+
+    Raises:
+        HybridEPConfigError: for a model that was not offloaded.
+    """
+    layers = getattr(model, _ATTRIBUTE, None)
+    if layers is None:
+        raise HybridEPConfigError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.offload")
+    return layers
 
 
 class ExpertTransfers:

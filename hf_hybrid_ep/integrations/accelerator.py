@@ -27,8 +27,8 @@ from torch import nn
 from ..checkpoint.atomic import staged_save
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint
+from ..engine.state import state_of
 from ..errors import HybridEPConfigError
-from ..state import state_of
 from .optimizer_state import load_optimizer_state, save_optimizer_state
 
 _MULTI_PROCESS = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
@@ -61,7 +61,7 @@ def prepare_accelerator(accelerator: Accelerator, model: nn.Module) -> None:
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, state.expert_parameter_names(model)
         )
-    state.reducer.sync_predicate = lambda: accelerator.sync_gradients
+    state.backward.gradient_sync = lambda: accelerator.sync_gradients
 
 
 def save_state(

@@ -26,10 +26,10 @@ from torch import nn
 from ..checkpoint.atomic import open_checkpoint
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.safetensors_io import write_point
+from ..engine.state import state_of
 from ..parallel.heartbeat import Heartbeat
 from ..parallel.mesh import is_dtensor
 from ..parallel.zero import ShardedOptimizer, groups_by_param, scalar_state
-from ..state import state_of
 
 TENSORS_NAME = "optimizer.safetensors"
 META_NAME = "optimizer.json"

@@ -32,17 +32,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
+from ..engine.freeze import ExpertFreezer
+from ..engine.gradients import clip_grad_norm_
+from ..engine.optimizers import reshard_optimizer
+from ..engine.replicas import verify_model_replicas
+from ..engine.state import state_of
+from ..engine.step import after_optimizer_step
 from ..errors import HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
 from ..moe.discovery import find_experts_modules
-from ..moe.freeze import ExpertFreezer
 from ..parallel.amp import agree_found_inf_
-from ..parallel.consistency import verify_replicas
-from ..parallel.grads import clip_grad_norm_
-from ..parallel.zero import reshard_optimizer
-from ..parallelize import after_optimizer_step
-from ..state import state_of
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 
@@ -86,7 +86,7 @@ class _HybridEPCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         after_optimizer_step(self.trainer.hybrid_model, self.trainer.optimizer)
         if self.verify_sync_steps and state.global_step % self.verify_sync_steps == 0:
-            verify_replicas(self.trainer.hybrid_model)
+            verify_model_replicas(self.trainer.hybrid_model)
 
 
 class HybridEPTrainer(Trainer):
@@ -178,7 +178,7 @@ class HybridEPTrainer(Trainer):
         """With fp16 loss scaling, skip the step on every rank if any rank overflowed."""
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
-            agree_found_inf_(scaler, getattr(self.optimizer, "optimizer", self.optimizer), self.hybrid_model)
+            agree_found_inf_(scaler, getattr(self.optimizer, "optimizer", self.optimizer), state_of(self.hybrid_model).mesh)
 
     def _clip_grad_norm(self, model):
         self._agree_overflow()  # unscales first, as accelerator.clip_grad_norm_ would

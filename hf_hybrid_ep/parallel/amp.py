@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..state import state_of
-from .mesh import current_device
+from .mesh import HybridMesh, current_device
 
 _AGREED = "hybrid_ep_found_inf_agreed"
 
 
-def agree_found_inf_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+def agree_found_inf_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, mesh: HybridMesh) -> bool:
     """Unscale ``optimizer``'s gradients (once per step) and make ``found_inf`` the world's maximum.
 
     Returns True when the coming ``scaler.step(optimizer)`` will be skipped (on every rank alike).
@@ -33,7 +31,6 @@ def agree_found_inf_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     if state["stage"].name == "READY":
         scaler.unscale_(optimizer)
     per_device = state["found_inf_per_device"]
-    mesh = state_of(model).mesh
     device = current_device(mesh)
     found = torch.zeros((), dtype=torch.float32, device=device)
     for value in per_device.values():

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..errors import ReplicaDivergenceError
-from ..state import state_of
-from .mesh import current_device
-from .zero import wait_for_parameters
+from .grads import ExpertBucket
+from .mesh import HybridMesh, current_device
 
 _CHUNK = 1 << 22
 
@@ -33,31 +31,26 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def verify_replicas(model: nn.Module) -> None:
-    """Raise :class:`ReplicaDivergenceError` on every rank if any replicated parameter differs between
-    its replicas. Collective: the world (dense), each expert bucket's group (experts), then the world
-    again so that every rank raises together.
+def verify_replicas(mesh: HybridMesh, dense: list[tuple[str, torch.Tensor]], holder_groups: list[ExpertBucket],
+                    names: dict[int, str]) -> None:
+    """Raise :class:`ReplicaDivergenceError` on every rank if a replicated tensor differs between its replicas:
+    ``dense`` (name, parameter) over the world, then each expert slot of ``holder_groups`` over its holders
+    (named ``names[id(parameter)][expert e]``). Collective: the world, each holder group's ranks, then the
+    world again so that every rank raises together.
     """
-    state = state_of(model)
-    mesh = state.mesh
     if mesh.world_group is None:
         return
-    wait_for_parameters(model)
     device = current_device(mesh)
-    expert_ids = {id(p) for layer in state.layers for p in layer.expert_parameters()}
-    dense = [(n, p) for n, p in model.named_parameters() if id(p) not in expert_ids]
     problems = _compare([n for n, _ in dense], torch.stack([_fingerprint(p) for _, p in dense]).to(device),
                         mesh.world_group, list(range(mesh.world_size)), "dense")
-    names = {id(p): n for n, p in model.named_parameters()}
-    layer_of = {id(p): layer for layer in state.layers for p in layer.expert_parameters()}
-    for bucket in state.reducer.holder_groups:
+    for bucket in holder_groups:
         if bucket.group is None:
             continue
         labels, prints = [], []
-        for p, idx in bucket.entries:
+        for holding, idx in bucket.entries:
             for slot in idx.tolist():
-                labels.append(f"{names[id(p)]}[expert {layer_of[id(p)].local_experts[slot]}]")
-                prints.append(_fingerprint(p[slot]))
+                labels.append(f"{names[id(holding.param)]}[expert {holding.experts[slot]}]")
+                prints.append(_fingerprint(holding.param[slot]))
         problems += _compare(labels, torch.stack(prints).to(device), bucket.group, list(bucket.ranks), "expert")
     everyone: list = [None] * mesh.world_size
     dist.all_gather_object(everyone, problems[:1], group=mesh.world_group)

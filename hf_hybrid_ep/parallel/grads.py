@@ -8,38 +8,30 @@ the global batch, when each rank's loss is the mean over its own (equal-sized) b
   summed over the ranks holding that expert (its EDP group, plus EP replicas) and divided by ``W``.
 
 Gradients live in persistent flat buckets (:mod:`hf_hybrid_ep.parallel.buckets`; ``.grad`` is a view into
-them, attached by a forward pre-hook of the model). With ``overlap_grad_reduce`` (the default) a
-post-accumulate-grad hook marks each parameter ready during ``backward``, and a bucket's collective
-(``all_reduce``, or ``reduce_scatter`` under ZeRO-1) is launched asynchronously as soon as its last
-gradient is accumulated — in bucket order within each process group, so every member issues the same
-sequence. An autograd-engine callback at the end of ``backward`` launches what is left (buckets whose
-parameters got no gradient, or held back while hot-expert shadows return their gradients), waits for
-every collective in a fixed order and divides. ``overlap_grad_reduce=False`` runs the same buckets
-blocking, one after the other, at the end of ``backward``. A plain PyTorch loop needs no extra call.
-Gradients that are ``None`` at that point are set to zeros, so the optimizer never skips a parameter
-on one rank and not on another.
+them, attached before a differentiated forward). :class:`GradientReducer` knows buckets, groups and
+collectives only; when each step of a backward happens is decided by its caller
+(:class:`hf_hybrid_ep.engine.backward.BackwardSequence`): :meth:`~GradientReducer.begin` arms the buckets,
+:meth:`~GradientReducer.mark_ready` launches a bucket's collective (``all_reduce``, or ``reduce_scatter``
+under ZeRO-1) asynchronously as soon as its last gradient is accumulated — in bucket order within each set
+of ranks, so every member issues the same sequence — and :meth:`~GradientReducer.launch_remaining` /
+:meth:`~GradientReducer.wait_all` finish the rest in a fixed order and divide. With ``overlap=False`` the
+same buckets run blocking, one after the other, at the end. Gradients that are ``None`` at the end are set
+to zeros (:meth:`~GradientReducer.gradients_complete`), so the optimizer never skips a parameter on one rank
+and not on another.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
-from ..state import state_of
 from .buckets import FlatBucket, bucket_of, runs
 from .mesh import HybridMesh, current_device, is_dtensor, reduce_scatter_flat
-
-if TYPE_CHECKING:
-    from ..moe.layer import ShardedExperts
 
 
 @dataclass
@@ -61,17 +53,41 @@ class ReducerStats:
         self.ready_to_end_s = 0.0
 
 
+@dataclass(frozen=True)
+class ExpertHolding:
+    """One expert parameter of this rank and where its slots are reduced (plain data from the placement
+    tables, :func:`hf_hybrid_ep.moe.holdings.expert_holdings`).
+
+    Attributes:
+        param: the parameter, ``[S, ...]`` over this rank's local slots.
+        homes: ``(holder ranks, slots)``: each exact set of world ranks (sorted) holding some of its slots, and
+            this rank's local slots held by that set, in global expert order.
+        experts: the global expert id of each local slot.
+    """
+
+    param: nn.Parameter
+    homes: list[tuple[tuple[int, ...], list[int]]]
+    experts: list[int]
+
+    def norm_weight(self) -> torch.Tensor:
+        """``[S]`` float64: 1 / (ranks holding the slot's expert), so a world-wide sum counts each expert once."""
+        weight = torch.empty(len(self.experts), dtype=torch.float64)
+        for ranks, slots in self.homes:
+            weight[slots] = 1.0 / len(ranks)
+        return weight
+
+
 @dataclass
 class ExpertBucket:
     """Expert slots held by exactly the same set of ranks (for the replica check).
 
-    ``entries`` are ``(parameter, local slot indices)`` in (layer, global expert id) order, which every
-    member rank derives identically from the placement tables.
+    ``entries`` are ``(holding, local slot indices)`` in (layer, global expert id) order, which every member
+    rank derives identically from the placement tables.
     """
 
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None
-    entries: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    entries: list[tuple[ExpertHolding, torch.Tensor]] = field(default_factory=list)
 
 
 # Where an expert parameter's slots are reduced: (holder ranks, their group, local slots in global id order).
@@ -79,15 +95,15 @@ ExpertHome = tuple[tuple[int, ...], "dist.ProcessGroup | None", list[int]]
 
 
 class GradientReducer:
-    """Reduces hybrid-EP gradients during every backward pass unless disabled (``no_sync``).
+    """Reduces hybrid-EP gradients in flat buckets (see the module docstring for the calls of one backward).
 
     Args:
         mesh: the DP×EP mesh.
         order: every parameter of the model, in registration order.
         dense: the dense (replicated) parameters.
-        expert_homes: ``id(expert parameter)`` → the holder sets of its slots.
-        holder_groups: the slot groups by exact holder set (consistency checks).
-        expert_norm_weights: ``(expert parameter, per-slot 1/replicas)`` for the global norm.
+        holdings: this rank's expert parameters and their holder sets (:class:`ExpertHolding`).
+        holder_sets: every holder set of the model on every rank (sorted): a process group is made for each,
+            in this order, on every rank (group creation is a world collective).
         reduce_dense: average dense gradients over the world (off when torch DDP does it).
         bucket_bytes: a bucket is closed once it holds this many bytes of gradients.
         overlap: launch each bucket's collective during backward (else blocking, at the end).
@@ -98,9 +114,9 @@ class GradientReducer:
         mesh: HybridMesh,
         order: list[nn.Parameter],
         dense: list[nn.Parameter],
-        expert_homes: dict[int, list[ExpertHome]],
-        holder_groups: list[ExpertBucket],
-        expert_norm_weights: list[tuple[nn.Parameter, torch.Tensor]],
+        holdings: list[ExpertHolding],
+        holder_sets: list[tuple[int, ...]],
+        *,
         reduce_dense: bool = True,
         bucket_bytes: int = 8 * 2**20,
         overlap: bool = True,
@@ -108,79 +124,77 @@ class GradientReducer:
         self.mesh = mesh
         self.order = order
         self.dense = dense
-        self.expert_homes = expert_homes
-        self.holder_groups = holder_groups
-        self.expert_norm_weights = expert_norm_weights
         self.reduce_dense = reduce_dense
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
         # Dense gradients are averaged over this group (the world); a test swaps it to inject a fault.
         self.dense_group, self.dense_group_size = mesh.reduction_group, mesh.world_size
-        self.enabled = True
-        # Optional extra condition, e.g. ``lambda: accelerator.sync_gradients`` under Accelerate.
-        self.sync_predicate: Callable[[], bool] | None = None
-        # Run at the end of a reducing backward before the remaining buckets launch, after missing
-        # gradients are zero-filled (hot-expert shadowing returns shadow gradients to their owners here).
-        # Collective on every rank.
-        self.pre_reduce_hooks: list[Callable[[], None]] = []
-        # While it returns True, expert buckets wait for the end of backward (shadow gradients pending).
-        self.hold_expert_buckets: Callable[[], bool] | None = None
-        # Called at the first gradient of a reducing backward, before any bucket launches (the finite-
-        # input agreement starts there), and after every bucket completed at its end.
-        self.on_backward_start: list[Callable[[], None]] = []
-        self.on_backward_end: list[Callable[[], None]] = []
         self.stats = ReducerStats()
         # A zero.ZeroSharding once a sharded optimizer exists: reduce-scatter instead of all-reduce.
         self.sharding = None
-        self.buckets: list[FlatBucket] = []
-        self._layout_key: tuple | None = None
+        self._dense_ids = {id(p) for p in dense}
+        self._set_holdings(holdings, holder_sets)
+        self._built: list[FlatBucket] = []
+        self._built_for: tuple | None = None
         self._buckets_of: dict[int, list[FlatBucket]] = {}
-        self._queued = False
         self._holding = False
         self._first_ready: float | None = None
-        self._dense_ids = {id(p) for p in dense}
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            for p in self.parameters()
-            if p.requires_grad and not is_dtensor(p)  # FSDP2 reduces (and assigns) its own gradients
-        ]
+
+    def _set_holdings(self, holdings: list[ExpertHolding], holder_sets: list[tuple[int, ...]]) -> None:
+        """Process groups of the holder sets (made in ``holder_sets`` order), each expert parameter's homes,
+        the slots grouped by holder set (replica check) and the per-slot norm weights."""
+        groups = {ranks: self.mesh.group_of(ranks) for ranks in holder_sets}
+        self.holdings = holdings
+        self.expert_homes = {id(h.param): [(ranks, groups[ranks], slots) for ranks, slots in sorted(h.homes)]
+                             for h in holdings}
+        by_set = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if self.mesh.rank in ranks}
+        for h in holdings:
+            for ranks, slots in h.homes:
+                by_set[ranks].entries.append((h, torch.tensor(slots, dtype=torch.long, device=h.param.device)))
+        self.holder_groups = [by_set[r] for r in sorted(by_set)]
+        self.expert_norm_weights = [(h.param, h.norm_weight()) for h in holdings]
 
     def parameters(self) -> list[nn.Parameter]:
+        """Every parameter whose gradient this reducer reduces (dense first, then experts)."""
         seen: dict[int, nn.Parameter] = {id(p): p for p in self.dense}
         for p, _ in self.expert_norm_weights:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
+    # ------------------------------------------------------------------ relayout
     def replace_parameter(self, old: nn.Parameter, new: nn.Parameter) -> None:
-        """``new`` takes ``old``'s place (online rebalancing changed its slot count): in the parameter order
-        and with the gradient hook. The expert homes and buckets are rebuilt by the caller."""
+        """``new`` takes ``old``'s place in the parameter order (online rebalancing changed its slot count);
+        :meth:`relayout` follows with the new holdings."""
         self.order = [new if p is old else p for p in self.order]
-        self.expert_norm_weights = [(new if p is old else p, w) for p, w in self.expert_norm_weights]
-        if new.requires_grad and not is_dtensor(new):
-            self._handles.append(new.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    def relayout(self, holdings: list[ExpertHolding], holder_sets: list[tuple[int, ...]]) -> None:
+        """Experts moved (online rebalancing): new holder sets and homes, new buckets and buffers. Gradients
+        are dropped and the ZeRO-1 sharding detached (its owner relays it out, see
+        :meth:`hf_hybrid_ep.parallel.zero.ZeroSharding.relayout`). Collective (new process groups)."""
+        self._set_holdings(holdings, holder_sets)
+        for p in self.parameters():
+            p.grad = None
+        self.sharding = None
+        self._built, self._built_for, self._buckets_of = [], None, {}
+        self.buckets()
 
-    # ------------------------------------------------------------------ layout
-    def layout(self) -> list[FlatBucket]:
+    # ------------------------------------------------------------------ buckets
+    def buckets(self) -> list[FlatBucket]:
         """The flat buckets (built on first use, rebuilt when the set of trainable parameters changes)."""
         key = tuple(p.requires_grad for p in self.order)
-        if key != self._layout_key:
-            if self.sharding is not None and self._layout_key is not None:
+        if key != self._built_for:
+            if self.sharding is not None and self._built_for is not None:
                 raise RuntimeError(
                     "the set of trainable parameters changed after the ZeRO-1 optimizer was built; build the "
                     "optimizer after setting requires_grad"
                 )
-            self.buckets = self._build()
-            self._layout_key = key
+            self._built = self._build()
+            self._built_for = key
             self._buckets_of = {}
-            for b in self.buckets:
+            for b in self._built:
                 for p in b.params():
                     self._buckets_of.setdefault(id(p), []).append(b)
-        return self.buckets
+        return self._built
 
     def _build(self) -> list[FlatBucket]:
         """Buckets in reverse registration order, one stream per (kind, holder set, dtype), each closed at
@@ -200,7 +214,7 @@ class GradientReducer:
             if not p.requires_grad or is_dtensor(p):
                 continue
             if id(p) in self._dense_ids:
-                homes: list[ExpertHome] = [(world, self.mesh.reduction_group, None)]
+                homes = [(world, self.mesh.reduction_group, None)]
                 kind = "dense"
             elif id(p) in self.expert_homes:
                 homes, kind = self.expert_homes[id(p)], "expert"
@@ -232,11 +246,11 @@ class GradientReducer:
         return bucket.kind == "dense" and not self.reduce_dense
 
     def active_buckets(self) -> list[FlatBucket]:
-        return [b for b in self.layout() if not self.passive(b)]
+        return [b for b in self.buckets() if not self.passive(b)]
 
     def attach_grads(self) -> None:
-        """Point ``.grad`` of every view piece at its bucket buffer (the model's forward pre-hook calls this
-        when gradients are enabled, so autograd accumulates in place)."""
+        """Point ``.grad`` of every view piece at its bucket buffer (before a forward that will be
+        differentiated, so autograd accumulates in place)."""
         if self.mesh.world_size == 1:
             return
         for b in self.active_buckets():
@@ -244,15 +258,20 @@ class GradientReducer:
                 b.allocate_grad_buffer()
             b.attach_grads()
 
-    # ------------------------------------------------------------------ reduction
-    def _reducing(self) -> bool:
-        return self.enabled and self.mesh.world_size > 1 and (self.sync_predicate is None or self.sync_predicate())
+    # ------------------------------------------------------------------ one backward
+    def begin(self, hold_experts: bool = False) -> None:
+        """Arm every bucket for a reducing backward: all its gradients pending, nothing launched. With
+        ``hold_experts`` expert buckets wait for :meth:`launch_remaining` (shadow gradients are still out)."""
+        self._holding = hold_experts
+        self._first_ready = None
+        for b in self.active_buckets():
+            if b.grad_buffer is None:
+                b.allocate_grad_buffer()
+            b.waiting = {id(p) for p in b.params()}
+            b.work, b.launched = None, False
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._reducing():
-            return
-        if not self._queued:
-            self._begin_backward()
+    def mark_ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is accumulated; with ``overlap``, launch the buckets that became complete."""
         for b in self._buckets_of.get(id(param), ()):
             if not b.launched:
                 b.waiting.discard(id(param))
@@ -260,19 +279,6 @@ class GradientReducer:
                     self._first_ready = time.perf_counter()
         if self.overlap:
             self._launch_ready()
-
-    def _begin_backward(self) -> None:
-        self._queued = True
-        Variable._execution_engine.queue_callback(self._end_backward)
-        for hook in self.on_backward_start:
-            hook()
-        self._holding = bool(self.hold_expert_buckets and self.hold_expert_buckets())
-        self._first_ready = None
-        for b in self.active_buckets():
-            if b.grad_buffer is None:
-                b.allocate_grad_buffer()
-            b.waiting = {id(p) for p in b.params()}
-            b.work, b.launched = None, False
 
     def _launch_ready(self) -> None:
         """Launch, per set of ranks, the next buckets in bucket order whose gradients are all accumulated:
@@ -325,28 +331,21 @@ class GradientReducer:
         region.div_(divisor)
         b.stage_out(a, a + b.shard)
 
-    def _end_backward(self) -> None:
-        self._queued = False
+    @torch.no_grad()
+    def gradients_complete(self) -> None:
+        """Backward has ended: record how long the complete buckets could hide communication, and give every
+        trainable parameter that got no gradient a zero one (every rank steps every parameter)."""
         if self._first_ready is not None:
             self.stats.ready_to_end_s += time.perf_counter() - self._first_ready
-        self.reduce(_in_backward=True)
-
-    @torch.no_grad()
-    def reduce(self, _in_backward: bool = False) -> None:
-        """Finish the reduction now (called automatically at the end of ``backward``): zero-fill missing
-        gradients, run the pre-reduce hooks, launch the remaining buckets and wait for all of them."""
-        if not _in_backward:  # a direct call reduces everything, blocking
-            if self._queued:
-                return
-            for b in self.active_buckets():
-                b.launched, b.work = False, None
+            self._first_ready = None
         for p in self.parameters():
             if p.requires_grad and p.grad is None and not is_dtensor(p):
                 p.grad = torch.zeros_like(p)
-        for hook in self.pre_reduce_hooks:
-            hook()
-        buckets = self.active_buckets()
-        for b in buckets:
+
+    @torch.no_grad()
+    def launch_remaining(self) -> None:
+        """Launch the buckets not launched during backward, in bucket order (blocking without ``overlap``)."""
+        for b in self.active_buckets():
             if b.grad_buffer is None:
                 b.allocate_grad_buffer()
             if not b.launched:
@@ -354,14 +353,17 @@ class GradientReducer:
                 self.stats.buckets_launched_at_end += 1
                 if not self.overlap:
                     self._finish(b)
-        for b in buckets:
+
+    @torch.no_grad()
+    def wait_all(self) -> None:
+        """Wait for every bucket's collective in bucket order and divide; under ZeRO-1 point the optimizer's
+        views at the reduced shards (what clipping and the optimizer read)."""
+        for b in self.active_buckets():
             if b.work is not None or self.overlap:
                 self._finish(b)
         if self.sharding is not None:
             self.sharding.attach_grads()
         self.stats.reductions += 1
-        for hook in self.on_backward_end:
-            hook()
 
     # ------------------------------------------------------------------ norm
     def _norm_terms(self) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor | None]]]:
@@ -417,81 +419,3 @@ class GradientReducer:
         """The gradients the optimizer will read (shard views under zero1, local shards under FSDP)."""
         replicated, partial = self._norm_terms()
         return replicated + [g for g, _ in partial]
-
-
-def reducer_of(model: nn.Module) -> GradientReducer:
-    """The gradient reducer :func:`hf_hybrid_ep.parallelize` attached to ``model``."""
-    return state_of(model).reducer
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Skip gradient reduction inside the block (gradient-accumulation micro-steps); reduce on the next
-    ``backward`` outside it, exactly like ``DistributedDataParallel.no_sync``."""
-    reducer = reducer_of(model)
-    previous = reducer.enabled
-    reducer.enabled = False
-    fsdp = _fsdp_root(model)
-    if fsdp is not None:  # dense_sharding="fsdp": FSDP2 keeps unsharded gradients until the sync step
-        fsdp.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        reducer.enabled = previous
-        if fsdp is not None:
-            fsdp.set_requires_gradient_sync(True)
-
-
-def _fsdp_root(model: nn.Module):
-    from torch.distributed.fsdp import FSDPModule
-
-    return model if isinstance(model, FSDPModule) else None
-
-
-@torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip all gradients of a hybrid-EP model by their true global norm; return that norm.
-
-    Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the norm covers dense
-    parameters once and every expert once, whichever ranks hold it. Collective: call on every rank.
-    """
-    reducer = reducer_of(model)
-    total = reducer.global_grad_norm(norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in reducer.clip_targets():
-        g.mul_(coef.to(g.device, g.dtype))
-    return total
-
-
-def expert_homes(layers: list[ShardedExperts], mesh: HybridMesh) -> tuple[
-    dict[int, list[ExpertHome]], list[ExpertBucket], list[tuple[nn.Parameter, torch.Tensor]]
-]:
-    """Group expert-slot gradients by the exact set of world ranks holding them.
-
-    Every rank walks all layers and experts (global knowledge from the tables) so that process groups
-    are created in the same order everywhere; it keeps its own slots. Returns, per expert parameter of
-    this rank, its homes ``(holder ranks, group, local slots in global id order)``; the same slots
-    grouped by holder set (for the replica check); and the per-slot norm weights (1 / holders).
-    """
-    holders_of: dict[tuple[int, int], tuple[int, ...]] = {}
-    for li, layer in enumerate(layers):
-        for e in range(layer.num_experts):
-            ranks = sorted(mesh.global_rank(d, r) for d in range(mesh.dp_degree) for r in layer.table.holders(e))
-            holders_of[(li, e)] = tuple(ranks)
-    groups = {ranks: mesh.group_of(ranks) for ranks in sorted(set(holders_of.values()))}
-    holder_groups = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if mesh.rank in ranks}
-    homes: dict[int, list[ExpertHome]] = {}
-    norm_weights = []
-    for li, layer in enumerate(layers):
-        local = layer.local_experts
-        order = sorted(range(len(local)), key=lambda s: local[s])
-        weight = torch.tensor([1.0 / len(holders_of[(li, local[s])]) for s in range(len(local))], dtype=torch.float64)
-        by_ranks: dict[tuple[int, ...], list[int]] = {}
-        for s in order:
-            by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
-        for p in layer.expert_parameters():
-            norm_weights.append((p, weight))
-            homes[id(p)] = [(ranks, groups[ranks], slots) for ranks, slots in sorted(by_ranks.items())]
-            for ranks, slots in by_ranks.items():
-                holder_groups[ranks].entries.append((p, torch.tensor(slots, dtype=torch.long, device=p.device)))
-    return homes, [holder_groups[r] for r in sorted(holder_groups)], norm_weights

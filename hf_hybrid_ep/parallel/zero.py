@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..state import state_of
 from .buckets import FlatBucket, OwnedView
+from .grads import GradientReducer
 from .mesh import all_gather_flat
 
 
@@ -48,18 +48,33 @@ def _owned_views(b: FlatBucket) -> list[OwnedView]:
 
 
 class ZeroSharding:
-    """The sharded view of one hybrid-EP model's flat buckets; shared by its reducer and its optimizer."""
+    """The sharded view of one hybrid-EP model's flat buckets; shared by its reducer and its optimizer.
 
-    def __init__(self, model: nn.Module) -> None:
+    Args:
+        reducer: the model's gradient reducer (its buckets are sharded; it reduce-scatters from now on).
+        model: the module tree whose forward pre-hooks wait for a bucket's parameter gather.
+    """
 
-        state = state_of(model)
-        self.reducer, self.mesh = state.reducer, state.mesh
-        self.buckets: list[FlatBucket] = self.reducer.layout()
+    def __init__(self, reducer: GradientReducer, model: nn.Module) -> None:
+        self.reducer, self.mesh = reducer, reducer.mesh
+        self._hooks: list = []
+        self._shard(model)
+
+    def _shard(self, model: nn.Module) -> None:
+        self.buckets: list[FlatBucket] = self.reducer.buckets()
         for b in self.buckets:
             b.allocate_param_buffer()
             b.owned = _owned_views(b)
         self.sharded_params = {id(pc.param) for b in self.buckets for pc in b.pieces}
         self._hooks = self._register_wait_hooks(model)
+        self.reducer.sharding = self
+
+    def relayout(self, model: nn.Module) -> None:
+        """Shard the reducer's buckets again (after :meth:`GradientReducer.relayout`): new owned views and
+        wait hooks; the optimizer's groups follow with :meth:`ShardedOptimizer.relayout`."""
+        for handle in self._hooks:
+            handle.remove()
+        self._shard(model)
 
     def _register_wait_hooks(self, model: nn.Module) -> list:
         """A forward pre-hook on every module holding parameters of a bucket: wait for that bucket's gather."""
@@ -230,22 +245,17 @@ def _first_nonempty(value, b: FlatBucket):
 
 
 class ShardedOptimizer:
-    """Mixin that turns a torch optimizer class into its ZeRO-1 form over a hybrid-EP model.
+    """Mixin that turns a torch optimizer class into its ZeRO-1 form over a :class:`ZeroSharding`.
 
-    Build with :func:`shard_optimizer` (or :func:`make_optimizer`, which follows the config). The
-    result *is* an instance of the optimizer class (schedulers, ``GradScaler`` and Accelerate accept
-    it); its ``param_groups`` hold this rank's views of the sharded parameters, with the groups'
+    Build with :func:`hf_hybrid_ep.shard_optimizer` (or :func:`hf_hybrid_ep.make_optimizer`, which follows the
+    config). The result *is* an instance of the optimizer class (schedulers, ``GradScaler`` and Accelerate
+    accept it); its ``param_groups`` hold this rank's views of the sharded parameters, with the groups'
     hyperparameters. Parameters outside the flat buckets (FSDP-sharded dense weights) are kept as they
     are. ``step()`` updates the owned shards and all-gathers them.
     """
 
-    def __init__(self, model: nn.Module, params, *args, **kwargs) -> None:
-
-        state = state_of(model)
-        reducer = state.reducer
-        if reducer.sharding is None:
-            reducer.sharding = ZeroSharding(model)
-        self.hybrid_sharding: ZeroSharding = reducer.sharding
+    def __init__(self, sharding: ZeroSharding, params, *args, **kwargs) -> None:
+        self.hybrid_sharding = sharding
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -276,99 +286,45 @@ class ShardedOptimizer:
                 else:
                     p.grad.zero_()
 
+    def replace_parameter(self, old: nn.Parameter, new: nn.Parameter) -> None:
+        """``new`` takes ``old``'s place among the model parameters (its views follow in :meth:`relayout`)."""
+        for params in self.hybrid_param_groups:
+            params[:] = [new if q is old else q for q in params]
+        self.hybrid_model_params[:] = [new if q is old else q for q in self.hybrid_model_params]
+
+    def relayout(self, old_state: dict, moved: dict, scalars: dict) -> None:
+        """Point the groups at the (relaid-out) sharding's views and load every parameter's state: ``moved``
+        (``id(param)`` → moved tensor state, local shape) where given, else ``old_state`` (the
+        :meth:`ZeroSharding.full_state` taken before the move); ``scalars`` the scalar state by parameter."""
+        sharding = self.hybrid_sharding
+        kept = {p: self.state[p] for p in self.hybrid_model_params  # outside the buckets (FSDP2 weights)
+                if sharding.views_of(p) is None and p in self.state}
+        self.state.clear()
+        self.state.update(kept)
+        for group, params in zip(self.param_groups, self.hybrid_param_groups, strict=True):
+            views: list[torch.Tensor] = []
+            for p in params:
+                mine = sharding.views_of(p)
+                views.extend([p] if mine is None else mine)
+            group["params"] = views
+        groups = groups_by_param(self)
+        for p in self.hybrid_model_params:
+            if sharding.views_of(p) is None:
+                continue
+            values = moved.get(id(p)) or {k: v.view(p.shape) for k, v in old_state.get(id(p), {}).items()}
+            if values:
+                sharding.load_full_state(self, p, values, scalars.get(id(p), {}), groups)
+
 
 _CLASSES: dict[type, type] = {}
 
 
-def shard_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], params, *args, **kwargs):
-    """``optimizer_cls(params, *args, **kwargs)`` with its state sharded ZeRO-1 style over the DP dimensions.
-
-    ``params`` are the model's parameters or param groups, as for the optimizer class itself. Call on
-    every rank, after :func:`hf_hybrid_ep.parallelize`; the model's reducer then reduce-scatters.
-    """
+def sharded_class(optimizer_cls: type[torch.optim.Optimizer]) -> type:
+    """``Sharded<optimizer_cls>``: the optimizer class with :class:`ShardedOptimizer` mixed in (one per class)."""
     cls = _CLASSES.get(optimizer_cls)
     if cls is None:
         cls = type(f"Sharded{optimizer_cls.__name__}", (ShardedOptimizer, optimizer_cls), {})
         _CLASSES[optimizer_cls] = cls
-    return cls(model, params, *args, **kwargs)
+    return cls
 
 
-def fast_implementation(optimizer_cls: type[torch.optim.Optimizer], params, **kwargs) -> dict[str, bool]:
-    """``{"fused": True}`` where ``optimizer_cls`` has a fused kernel for these parameters' device and dtypes,
-    else ``{"foreach": True}`` where it takes that flag, else ``{}``; nothing when ``kwargs`` already choose,
-    (:func:`make_optimizer` puts FSDP2's DTensor parameters and plain ones in separate groups, which the
-    multi-tensor kernels need).
-
-    torch's default on CPU is the per-tensor loop (for AdamW on one 32.5 M-parameter rank, 0.155 s vs
-    0.048 s fused, single-threaded); the Trainer already defaults to ``adamw_torch_fused``.
-    """
-    import inspect
-
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    if "fused" in kwargs or "foreach" in kwargs:
-        return {}
-    accepted = inspect.signature(optimizer_cls.__init__).parameters
-    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    floating = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
-    if "fused" in accepted and tensors and all(
-        t.dtype in floating and t.device.type in _get_fused_kernels_supported_devices() for t in tensors
-    ):
-        return {"fused": True}
-    if "foreach" in accepted:
-        return {"foreach": True}
-    return {}
-
-
-def _split_dtensor_groups(params: list) -> list:
-    """Param groups with FSDP2 DTensor parameters and plain ones apart (same hyperparameters): the fused and
-    foreach kernels take one kind per call. Unchanged when there is one kind."""
-    from .mesh import is_dtensor
-
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    if len({is_dtensor(p) for g in groups for p in g["params"]}) < 2:
-        return params
-    out = []
-    for g in groups:
-        for kind in (True, False):
-            mine = [p for p in g["params"] if is_dtensor(p) is kind]
-            if mine:
-                out.append({**g, "params": mine})
-    return out
-
-
-def make_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], params, *args, **kwargs):
-    """The optimizer the model's config asks for: sharded with ``optimizer_sharding="zero1"``, plain otherwise;
-    with the fused (or multi-tensor) kernel of :func:`fast_implementation` unless ``kwargs`` choose one."""
-
-    params = _split_dtensor_groups(list(params))
-    kwargs = {**fast_implementation(optimizer_cls, params, **kwargs), **kwargs}
-    state = state_of(model)
-    if state.config.optimizer_sharding == "zero1":
-        optimizer = shard_optimizer(model, optimizer_cls, params, *args, **kwargs)
-    else:
-        optimizer = optimizer_cls(params, *args, **kwargs)
-    if state.rebalancer is not None:  # online rebalancing moves this optimizer's state with the experts
-        state.rebalancer.optimizer = optimizer
-    return optimizer
-
-
-def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A fresh (state-less) plain optimizer turned into its sharded form, same groups and defaults."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer
-    if optimizer.state:
-        raise ValueError("reshard_optimizer needs a fresh optimizer (it already holds state)")
-    groups = [dict(g) for g in optimizer.param_groups]  # every hyperparameter is in the groups
-    return shard_optimizer(model, type(optimizer), groups)
-
-
-def wait_for_parameters(model: nn.Module) -> None:
-    """Wait for the ZeRO-1 parameter all-gathers launched by the last ``optimizer.step()``.
-
-    Forward passes, saving, ``state_dict``, ``full_state_dict`` and the replica check do this themselves;
-    call it before reading parameters directly (``model.named_parameters()``) right after a step.
-    """
-    sharding = state_of(model).reducer.sharding
-    if sharding is not None:
-        sharding.wait_params()

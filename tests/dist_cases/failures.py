@@ -82,7 +82,8 @@ def modality_mismatch(model_type: str) -> dict:
 
 def replica_check(corrupt: str | None, corrupt_rank: int) -> dict:
     """verify_replicas on a (2, 2) layout after a training step; optionally corrupt one replica."""
-    from hf_hybrid_ep.parallel.consistency import ReplicaDivergenceError, verify_replicas
+    from hf_hybrid_ep.engine.replicas import verify_model_replicas
+    from hf_hybrid_ep.errors import ReplicaDivergenceError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build("qwen3_moe", 4)
@@ -93,7 +94,7 @@ def replica_check(corrupt: str | None, corrupt_rank: int) -> dict:
         with torch.no_grad():
             dict(model.named_parameters())[corrupt].view(-1)[0] += 1e-6
     try:
-        verify_replicas(model)
+        verify_model_replicas(model)
     except ReplicaDivergenceError as err:
         return {"message": str(err)}
     return {"message": ""}
@@ -112,7 +113,7 @@ def fp16_overflow_agreement(agree: bool) -> dict:
     if rank == 0:  # an overflow confined to rank 0's experts (their EDP group is rank 0 alone)
         hep.state_of(model).layers[0].expert_parameters()[0].grad[0, 0, 0] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
-    skipped = agree_found_inf_(scaler, opt, model) if agree else None
+    skipped = agree_found_inf_(scaler, opt, hep.state_of(model).mesh) if agree else None
     scaler.step(opt)
     scaler.update()
     changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))

@@ -342,6 +342,7 @@ def bucket_launch_order() -> dict:
     """Three one-parameter buckets over the world (fp32, bf16, fp32: two dtypes share one process group),
     whose gradients become ready in opposite orders on even and odd ranks. Returns each rank's readiness
     order, the bucket positions in the order their all-reduces were issued, and the reduced gradients."""
+    from hf_hybrid_ep.engine.backward import BackwardSequence
     from hf_hybrid_ep.parallel.grads import GradientReducer
     from hf_hybrid_ep.parallel.mesh import build_mesh
 
@@ -350,9 +351,10 @@ def bucket_launch_order() -> dict:
     ready: list[int] = []
     for i, p in enumerate(params):  # registered before the reducer's hooks, so they see readiness first
         p.register_post_accumulate_grad_hook(lambda _, i=i: ready.append(i))
-    reducer = GradientReducer(build_mesh(world, 1), params, params, {}, [], [], bucket_bytes=1)
+    reducer = GradientReducer(build_mesh(world, 1), params, params, [], [], bucket_bytes=1)
+    BackwardSequence(reducer)  # hooks its parameters: the reduction runs in backward
     reducer.attach_grads()
-    position = {b.grad_buffer.data_ptr(): b.position for b in reducer.layout()}
+    position = {b.grad_buffer.data_ptr(): b.position for b in reducer.buckets()}
     issued: list[int] = []
     real = dist.all_reduce
 

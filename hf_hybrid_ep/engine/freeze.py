@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import HybridEPConfigError
-from ..state import state_of
+from .state import state_of
 
 
 class ExpertFreezer:

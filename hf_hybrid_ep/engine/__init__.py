@@ -1,0 +1,31 @@
+"""The orchestration layer: ``parallelize`` wires the layers below into a training engine (:mod:`.setup`),
+attaches its state (:mod:`.state`) and runs it at every step (:mod:`.step`, :mod:`.backward`); model-level
+entry points for gradients, optimizers, replicas, the unsharded model and counters. See
+docs/architecture.md."""
+
+from .freeze import ExpertFreezer
+from .gradients import clip_grad_norm_, no_sync
+from .model_io import full_state_dict
+from .optimizers import make_optimizer, shard_optimizer, wait_for_parameters
+from .replicas import verify_model_replicas
+from .setup import parallelize
+from .state import state_of
+from .stats import comm_stats, layer_counters, reset_comm_stats
+from .step import after_optimizer_step
+
+__all__ = [
+    "ExpertFreezer",
+    "after_optimizer_step",
+    "clip_grad_norm_",
+    "comm_stats",
+    "full_state_dict",
+    "layer_counters",
+    "make_optimizer",
+    "no_sync",
+    "parallelize",
+    "reset_comm_stats",
+    "shard_optimizer",
+    "state_of",
+    "verify_model_replicas",
+    "wait_for_parameters",
+]

@@ -1,0 +1,44 @@
+"""Model-level gradient controls: the true global norm and clipping, and skipping reduction (``no_sync``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .backward import suspended
+from .state import state_of
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip gradient reduction inside the block (gradient-accumulation micro-steps); reduce on the next
+    ``backward`` outside it, exactly like ``DistributedDataParallel.no_sync``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = model if isinstance(model, FSDPModule) else None
+    with suspended(state_of(model).backward):
+        if fsdp is not None:  # dense_sharding="fsdp": FSDP2 keeps unsharded gradients until the sync step
+            fsdp.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            if fsdp is not None:
+                fsdp.set_requires_gradient_sync(True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip all gradients of a hybrid-EP model by their true global norm; return that norm.
+
+    Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the norm covers dense
+    parameters once and every expert once, whichever ranks hold it. Collective: call on every rank.
+    """
+    reducer = state_of(model).reducer
+    total = reducer.global_grad_norm(norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in reducer.clip_targets():
+        g.mul_(coef.to(g.device, g.dtype))
+    return total

@@ -1,0 +1,231 @@
+"""``parallelize(model, config)``: turn a transformers MoE model into its hybrid-EP form, in place.
+
+Setup only: each ``_apply_*`` step wires one part (layout, device, expert sharding, router controls,
+gradient reduction and its per-backward sequence, hooks, shadowing, rebalancing); what runs at every step
+lives in :mod:`hf_hybrid_ep.engine.step` and :mod:`hf_hybrid_ep.engine.backward`. docs/architecture.md has
+the layers and a token's path through them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import HybridEPConfig
+from ..dispatch import PlacementTable, choose_backend, resolve_backend
+from ..dispatch.table import layer_tables
+from ..errors import HybridEPConfigError
+from ..moe.discovery import check_shardable, find_shared_expert
+from ..moe.holdings import expert_holdings
+from ..moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
+from ..moe.rebalance import Rebalancer
+from ..moe.routing import add_aux_losses_hook, install_router_controls
+from ..moe.shadow import ShadowManager
+from ..parallel.agreement import InputAgreement
+from ..parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
+from ..parallel.grads import GradientReducer
+from ..parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, world_size
+from .backward import BackwardSequence
+from .model_io import wrap_generate, wrap_save_pretrained
+from .optimizers import wait_for_parameters
+from .state import HybridEPState, attach, is_parallelized, state_of
+from .step import after_forward, before_forward
+
+logger = logging.getLogger("hf_hybrid_ep")
+
+
+def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh: HybridMesh) -> None:
+    """Refuse models or tables that differ between ranks (different seeds, different checkpoints)."""
+    if mesh.world_group is None:
+        return
+    with torch.no_grad():
+        sums = [p.detach().sum(dtype=torch.float64).item() for p in model.parameters()]
+    mine = ([t.fingerprint() for t in tables], sums)
+    gathered: list = [None] * mesh.world_size
+    dist.all_gather_object(gathered, mine)
+    names = [n for n, _ in model.named_parameters()]
+    for rank, (fps, other) in enumerate(gathered):
+        if fps != mine[0]:
+            raise HybridEPConfigError(f"rank {rank} uses a different placement table than rank {mesh.rank}")
+        for name, a, b in zip(names, other, sums, strict=True):
+            if not (a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b))):
+                raise HybridEPConfigError(
+                    f"parameter {name!r} differs between rank {rank} and rank {mesh.rank}: build the model "
+                    "identically on every rank (same seed or the same checkpoint) before parallelize"
+                )
+
+
+def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
+    """Run ``fn(*args)``; if it raises on any rank, raise on every rank (nobody enters a collective alone)."""
+    error: BaseException | None = None
+    try:
+        fn(*args)
+    except Exception as err:  # re-raised below, after the ranks agree
+        error = err
+    if mesh.world_group is not None:
+        flags = torch.zeros(mesh.world_size, dtype=torch.int32, device=current_device(mesh))
+        flags[mesh.rank] = int(error is not None)
+        dist.all_reduce(flags, group=mesh.world_group)
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        if failed and error is None:
+            raise RuntimeError(f"hybrid-EP setup failed on rank(s) {failed}; see their errors")
+    if error is not None:
+        raise error
+
+
+def parallelize(
+    model: nn.Module,
+    config: HybridEPConfig | None = None,
+    *,
+    materialize: Callable[[nn.Module, list[ShardedExperts]], None] | None = None,
+) -> nn.Module:
+    """Shard the routed experts of a transformers MoE model over EP groups and return the same model.
+
+    The model must be built identically on every rank (same config and seed, or the same checkpoint)
+    and ``torch.distributed`` initialised (or a world of one). The model moves to this rank's device
+    (``cuda:LOCAL_RANK`` under NCCL, which becomes the current CUDA device; the CPU under gloo) after its
+    experts are sharded, so build it on the CPU. In place: dense weights stay replicated;
+    each fused experts module keeps only this rank's experts and runs through the all-to-all dispatcher;
+    gradient hooks give every gradient the single-process value after ``loss.backward()``. Create the
+    optimizer afterwards. Collective: call on every rank.
+
+    Raises:
+        HybridEPConfigError: before any work, for a layout that cannot work (naming the values), a model
+            with no routed experts, an experts module that cannot be sharded, or parameters already on
+            another GPU than this rank's (naming it, the current device and the mesh's).
+    """
+    if is_parallelized(model):
+        raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
+    config = config or HybridEPConfig()
+    found = check_shardable(model)
+    mesh, tables = _apply_layout(config=config, found=found)
+    device = _apply_device(model=model, mesh=mesh)
+    if not any(p.is_meta for p in model.parameters()):
+        _check_same_everywhere(model, tables, mesh)
+    layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh)
+    if materialize is not None:
+        _agree(mesh, materialize, model, layers)
+    place_module(model, device)  # after sharding: only this rank's experts reach the device
+    _apply_router_controls(model=model, config=config, layers=layers)
+    if config.dense_sharding == "fsdp":
+        _fully_shard_dense(model, layers, mesh)
+    reducer = _apply_gradient_reduction(model=model, config=config, layers=layers, mesh=mesh)
+    shadows = ShadowManager(layers, mesh, config.shadow_capacity) if config.shadow_experts else None
+    backward = BackwardSequence(reducer, agreement, shadows)
+    attach(model, HybridEPState(config, mesh, layers, reducer, backward, agreement, shadows=shadows))
+    _apply_hooks(model=model)
+    if config.rebalancing:
+        state_of(model).rebalancer = Rebalancer(model, layers, mesh, reducer, config)
+    wrap_save_pretrained(model)
+    wrap_generate(model)
+    return model
+
+
+def _apply_layout(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]]) -> tuple[HybridMesh, list[PlacementTable]]:
+    """Resolve dp × ep for this world, build the mesh and one placement table per experts module.
+
+    One layout for all layers: resolved against the gcd of the layers' expert counts."""
+    dp, ep = config.resolve(world_size(), math.gcd(*(m.num_experts for _, m in found)))
+    resolve_backend(config.dispatcher, default_device_type())
+    tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
+    mesh = build_mesh(dp, ep, topology=config.topology)
+    backend, why = choose_backend(config.dispatcher, mesh)
+    if mesh.rank == 0:
+        logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
+    return mesh, tables
+
+
+def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
+    """This rank's device (``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo), made current; parameters already
+    on another accelerator are refused on every rank, naming their device, the current one and the mesh's."""
+    device = rank_device(mesh.device_type)
+    current = current_cuda_device() if device.type == "cuda" else None
+    use_device(device)  # first: the agreement below is a collective on this device
+    _agree(mesh, check_devices, model, device, current)
+    return device
+
+
+def _count_slots(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], tables: list[PlacementTable],
+                 ep: int) -> int:
+    """Slots per EP rank in every counts message, equal for every layer so that ranks in different layers still
+    exchange equal sizes (wide enough for the tables online rebalancing may fit later)."""
+    slots = max(t.slots_per_rank for t in tables)
+    if config.rebalancing:
+        for name, module in found:
+            if (module.num_experts + config.rebalance_replicas) % ep:
+                raise HybridEPConfigError(
+                    f"rebalancing: {name} has {module.num_experts} experts + rebalance_replicas="
+                    f"{config.rebalance_replicas}, not a multiple of ep_degree={ep} (every rank holds as many slots)")
+            slots = max(slots, (module.num_experts + config.rebalance_replicas) // ep)
+    return slots
+
+
+def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
+                           tables: list[PlacementTable], mesh: HybridMesh,
+                           ) -> tuple[list[ShardedExperts], InputAgreement]:
+    """Replace every experts module's forward by an :class:`ShardedExperts` holding this rank's
+    experts only; all layers share one cross-rank input agreement."""
+    options = EPLayerOptions.from_config(config, _count_slots(config=config, found=found, tables=tables,
+                                                              ep=mesh.ep_degree))
+    names = {i: name for i, (name, _) in enumerate(found)}
+    agreement = InputAgreement(mesh, names)
+    layers = []
+    for i, ((name, module), table) in enumerate(zip(found, tables, strict=True)):
+        shared = find_shared_expert(model, name) if config.overlap_shared_expert else None
+        layer = ShardedExperts(name, module, table, mesh, options, layer_id=i, layer_names=names,
+                                    agreement=agreement,
+                                    shared_overlap=None if shared is None else SharedExpertOverlap(*shared))
+        layer.shard_()
+        layers.append(layer)
+    return layers, agreement
+
+
+def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts]) -> None:
+    """Router temperature, bias updates, device-load factors, load accounting; aux and z losses."""
+    install_router_controls(model, layers, config)
+    if config.aux_loss_coef or config.z_loss_coef:
+        add_aux_losses_hook(model, layers)
+
+
+def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts],
+                              mesh: HybridMesh) -> GradientReducer:
+    """The reducer: dense gradients over the world, each expert's over the ranks holding it."""
+    expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    holder_sets, holdings = expert_holdings(layers, mesh)
+    reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
+    return GradientReducer(mesh, list(model.parameters()), dense, holdings, holder_sets, reduce_dense=reduce_dense,
+                           bucket_bytes=int(config.bucket_size_mb * 2**20), overlap=config.overlap_grad_reduce)
+
+
+def _apply_hooks(*, model: nn.Module) -> None:
+    """Gradient buffers before a differentiated forward, the input agreement after one under ``no_grad``;
+    ZeRO-1 waits before a state dict is read."""
+    model.register_forward_pre_hook(before_forward)
+    model.register_forward_hook(after_forward)
+    model.register_state_dict_pre_hook(lambda module, *args, **kwargs: wait_for_parameters(module))
+
+
+def _fully_shard_dense(model: nn.Module, layers: list[ShardedExperts], mesh: HybridMesh) -> None:
+    """FSDP2-shard the dense weights over the world: ``fully_shard`` on every decoder layer (the classes
+    in the model's ``_no_split_modules``) and on the root, with the expert parameters ignored (the
+    engine shards and reduces them)."""
+    if mesh.world_group is None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_mesh = DeviceMesh.from_group(mesh.world_group, mesh.device_type)
+    experts = {p for layer in layers for p in layer.expert_parameters()}
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module, mesh=world_mesh, ignored_params=experts & set(module.parameters()))
+    fully_shard(model, mesh=world_mesh, ignored_params=experts)
+
+

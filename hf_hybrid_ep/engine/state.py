@@ -1,0 +1,79 @@
+"""The per-model state :func:`hf_hybrid_ep.parallelize` attaches to a model, and the one way to read it back.
+
+:func:`~hf_hybrid_ep.engine.setup.parallelize` attaches a :class:`HybridEPState` (``attach``); the
+orchestration, checkpoint and integration code reads it with :func:`state_of`, like accelerate's
+``add_hook_to_module`` / ``module._hf_hook``. Nothing below the orchestration layer reads it: the layers
+under it (``parallel/``, ``dispatch/``, ``moe/``) receive the objects they work on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..errors import HybridEPConfigError
+
+if TYPE_CHECKING:
+    from ..config import HybridEPConfig
+    from ..moe.layer import ShardedExperts
+    from ..moe.rebalance import Rebalancer
+    from ..moe.shadow import ShadowManager
+    from ..parallel.agreement import InputAgreement
+    from ..parallel.grads import GradientReducer
+    from ..parallel.mesh import HybridMesh
+    from .backward import BackwardSequence
+
+_ATTRIBUTE = "_hybrid_ep"
+
+
+@dataclass
+class HybridEPState:
+    """What ``parallelize`` attaches to a model: its layout, its EP layers and their helpers."""
+
+    config: HybridEPConfig
+    mesh: HybridMesh
+    layers: list[ShardedExperts]
+    reducer: GradientReducer
+    backward: BackwardSequence
+    agreement: InputAgreement
+    optimizer_steps: int = 0
+    shadows: ShadowManager | None = None  # hot-expert shadowing (config.shadow_experts)
+    rebalancer: Rebalancer | None = None  # online rebalancing (config.rebalance_*)
+
+    def expert_parameter_names(self, model: nn.Module) -> list[str]:
+        """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
+        ids = {id(p) for layer in self.layers for p in layer.expert_parameters()}
+        return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+def attach(model: nn.Module, state: HybridEPState) -> None:
+    """Attach ``state`` to ``model``.
+
+    Raises:
+        HybridEPConfigError: when the model already carries hybrid-EP state.
+    """
+    if is_parallelized(model):
+        raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
+    setattr(model, _ATTRIBUTE, state)
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether :func:`hf_hybrid_ep.parallelize` prepared ``model``."""
+    return getattr(model, _ATTRIBUTE, None) is not None
+
+
+def state_of(model: nn.Module) -> HybridEPState:
+    """The state :func:`hf_hybrid_ep.parallelize` attached to ``model``.
+
+    Raises:
+        ValueError: for a model that was not parallelized.
+    """
+    state = getattr(model, _ATTRIBUTE, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not prepared with hf_hybrid_ep.parallelize")
+    return state
+
+
+__all__ = ["HybridEPState", "attach", "is_parallelized", "state_of"]
