@@ -33,7 +33,7 @@ import hf_hybrid_ep as hep
 from benchmarks.common.demo import DEMO_ASSETS
 from hf_hybrid_ep.inference.policies import POLICIES, replay
 from hf_hybrid_ep.moe.discovery import find_experts_modules
-from hf_hybrid_ep.moe.routing import find_router
+from hf_hybrid_ep.moe.router_rules import find_router
 
 
 def record_traces(model, prompts: torch.Tensor, new_tokens: int) -> dict[str, list[list[int]]]:

@@ -62,13 +62,13 @@ def record_traces(checkpoint: Path, tokenizer_dir: Path, block_size: int = 64, m
     model = hep.from_pretrained(checkpoint)
     traces: dict[str, list[np.ndarray]] = {}
     for layer in hep.state_of(model).layers:
-        original, name = layer.routing.count, layer.name
+        original, name = layer.load.count, layer.name
 
         def count(index, dropped=0, _original=original, _name=name):
             traces.setdefault(_name, []).append(index.detach().reshape(-1, index.shape[-1]).cpu().numpy().copy())
             _original(index, dropped)
 
-        layer.routing.count = count
+        layer.load.count = count
     with torch.no_grad():
         for i in range(0, len(blocks), batch):
             model(input_ids=torch.tensor(blocks[i : i + batch]))

@@ -74,14 +74,14 @@ def worker(args: argparse.Namespace) -> None:
         opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=3e-3)
         traces: dict[str, list] = {}
         for layer in hep.state_of(model).layers:
-            original, name = layer.routing.count, layer.name
+            original, name = layer.load.count, layer.name
 
             def count(index, dropped=0, _original=original, _name=name, _traces=traces):
                 if torch.is_grad_enabled():
                     _traces.setdefault(_name, []).append(index.detach().reshape(-1, index.shape[-1]).clone())
                 _original(index, dropped)
 
-            layer.routing.count = count
+            layer.load.count = count
         losses, tables = [], []
         dist.barrier()
         start = time.perf_counter()

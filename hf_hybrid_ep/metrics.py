@@ -45,20 +45,20 @@ def load_report(model: nn.Module, reset: bool = True) -> dict[str, dict[str, Any
     state = state_of(model)
     report: dict[str, dict[str, Any]] = {}
     for layer in state.layers:
-        routing = layer.routing
-        if routing is None or routing.window_steps == 0:
+        load = layer.load
+        if load is None or load.window_steps == 0:
             continue
-        E = routing.num_experts
-        w = routing.window
+        E = load.num_experts
+        w = load.window
         experts = w[:E]
         per_rank = rank_loads(experts.tolist(), layer.table)
         assigned = float(w[E + 1])
         dropped = float(w[E])
         mean_e = float(experts.mean())
         mean_r = sum(per_rank) / len(per_rank)
-        dead = (state.optimizer_steps - routing.last_active_step) >= state.config.dead_expert_steps
+        dead = (state.optimizer_steps - load.last_active_step) >= state.config.dead_expert_steps
         report[layer.name] = {
-            "steps": routing.window_steps,
+            "steps": load.window_steps,
             "tokens_per_expert": [int(x) for x in experts.tolist()],
             "tokens_per_rank": [round(x, 3) for x in per_rank],
             "placement": [list(row) for row in layer.table.rows],
@@ -68,11 +68,11 @@ def load_report(model: nn.Module, reset: bool = True) -> dict[str, dict[str, Any
             "router_entropy": float(w[E + 2] / w[E + 3]) if float(w[E + 3]) > 0 else 0.0,
             "dead_experts": int(dead.sum()) if state.optimizer_steps >= state.config.dead_expert_steps else 0,
         }
-        if routing.coactivation:
-            report[layer.name]["coactivation"] = routing.coactivation_matrix(w).long().tolist()
+        if load.coactivation:
+            report[layer.name]["coactivation"] = load.coactivation_matrix(w).long().tolist()
         if reset:
-            routing.window.zero_()
-            routing.window_steps = 0
+            load.window.zero_()
+            load.window_steps = 0
     return report
 
 

@@ -190,7 +190,7 @@ def summary(trainer, metrics: dict, model, block_size: int) -> None:
         print(f"\nhybrid EP dp={mesh.dp_degree} × ep={mesh.ep_degree}; final train loss "
               f"{metrics.get('train_loss', float('nan')):.4f}; {tokens_per_s:.0f} tokens/s (all ranks)")
         print(f"peak memory per rank ({kind}): " + ", ".join(f"{p:.0f}" for p in peaks))
-        totals = [layer.routing.total for layer in hep.state_of(model).layers if layer.routing is not None]
+        totals = [layer.load.total for layer in hep.state_of(model).layers]
         imbalance = [float(t.max() / t.mean()) for t in totals if float(t.sum()) > 0]
         if imbalance:
             print("expert-load imbalance over the run (max/mean per layer): "

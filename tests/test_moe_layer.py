@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.moe.routing import match_rule
+from hf_hybrid_ep.moe.router_rules import match_rule
 from hf_hybrid_ep.moe.standalone import MoE, MoEConfig
 
 

@@ -135,13 +135,14 @@ def test_device_load_accounting_follows_the_new_owners():
     holders, and the device factors from it (so device-load-aware selection penalises the right ranks)."""
     import torch
 
-    from hf_hybrid_ep.moe.routing import LayerRouting
+    from hf_hybrid_ep.moe.router_controls import RouterControls
+    from hf_hybrid_ep.moe.router_rules import SelectionRule
 
-    routing = LayerRouting(4, torch.tensor([0, 0, 1, 1]), 2)
-    routing.rank_load = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    routing.total = torch.tensor([60.0, 20.0, 10.0, 10.0], dtype=torch.float64)
-    routing.remap([0, 1, 1, 0], device_load_factors=0.5)  # experts 0 and 3 on rank 0: 70 of 100
-    assert routing.ep_rank_of_expert.tolist() == [0, 1, 1, 0]
-    assert routing.rank_load.tolist() == pytest.approx([0.7, 0.3])
+    controls = RouterControls(torch.nn.Linear(8, 4), SelectionRule("softmax_topk"), 2, 4, torch.tensor([0, 0, 1, 1]), 2)
+    controls.rank_load = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    total = torch.tensor([60.0, 20.0, 10.0, 10.0], dtype=torch.float64)
+    controls.remap([0, 1, 1, 0], total, device_load_factors=0.5)  # experts 0 and 3 on rank 0: 70 of 100
+    assert controls.ep_rank_of_expert.tolist() == [0, 1, 1, 0]
+    assert controls.rank_load.tolist() == pytest.approx([0.7, 0.3])
     # factor = −β (load_r / mean − 1) of each expert's rank: rank 0 at 1.4× the mean, rank 1 at 0.6×
-    assert routing._device_factor.tolist() == pytest.approx([-0.2, 0.2, 0.2, -0.2])
+    assert controls.device_factor.tolist() == pytest.approx([-0.2, 0.2, 0.2, -0.2])

@@ -11,7 +11,8 @@ from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.metrics import load_report
-from hf_hybrid_ep.moe.routing import apply_capacity, find_router, match_rule
+from hf_hybrid_ep.moe.capacity import apply_capacity
+from hf_hybrid_ep.moe.router_rules import find_router, match_rule
 
 FAMILY_RULES = {"mixtral": "softmax_topk", "qwen2_moe": "softmax_topk", "qwen3_moe": "softmax_topk",
                 "olmoe": "softmax_topk", "deepseek_v3": "sigmoid_group", "gpt_oss": "topk_softmax"}
@@ -191,13 +192,13 @@ def test_selection_only_bias_lives_in_the_side_file(tmp_path):
 
     model = _skewed_gpt_oss(0.05)
     imbalance_over_steps(model, steps=3)
-    bias = hep.state_of(model).layers[0].routing.selection_bias.clone()
+    bias = hep.state_of(model).layers[0].controls.selection_bias.clone()
     assert bias.abs().sum() > 0
     save_hybrid_checkpoint(model, tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / SIDE_FILE).is_file()
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")  # vanilla loading ignores the side file
     again = hep.from_pretrained(tmp_path / "ckpt", hep.HybridEPConfig(bias_update_rate=0.05))
-    assert torch.equal(hep.state_of(again).layers[0].routing.selection_bias, bias)
+    assert torch.equal(hep.state_of(again).layers[0].controls.selection_bias, bias)
     dropped = hep.export_checkpoint(tmp_path / "ckpt", tmp_path / "plain", progress=False)
     assert any(SIDE_FILE in d for d in dropped) and not (tmp_path / "plain" / SIDE_FILE).exists()
 
@@ -228,7 +229,7 @@ def test_least_used_experts_are_chosen_when_freezing_starts():
         hep.after_optimizer_step(model)
         opt.step()
     layer = hep.state_of(model).layers[0]
-    assert freezer.frozen[layer.name] == [int(torch.argmin(layer.routing.total))]
+    assert freezer.frozen[layer.name] == [int(torch.argmin(layer.load.total))]
     assert freezer.frozen[layer.name] != [0]  # expert 0 is the hot one
 
 

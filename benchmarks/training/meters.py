@@ -220,12 +220,12 @@ class RoutingRecorder:
         self.on = False
         self.traces: dict[str, list] = defaultdict(list)
         for layer in self.state.layers:
-            def count(index, dropped=0, _original=layer.routing.count, _name=layer.name):
+            def count(index, dropped=0, _original=layer.load.count, _name=layer.name):
                 if self.on:
                     self.traces[_name].append(index.detach().reshape(-1, index.shape[-1]).clone())
                 _original(index, dropped)
 
-            layer.routing.count = count
+            layer.load.count = count
 
     def finish(self, path: Path, ranks_per_node: int) -> dict[str, Any]:
         """Save the traces; return the predicted cross-node node rows (one direction) and the tables."""

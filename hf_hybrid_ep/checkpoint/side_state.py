@@ -23,7 +23,7 @@ SIDE_FILE = "hybrid_ep_state.safetensors"
 def _biased_layers(model: nn.Module) -> list:
 
     return [layer for layer in state_of(model).layers
-            if layer.routing is not None and layer.routing.selection_bias is not None]
+            if layer.controls is not None and layer.controls.selection_bias is not None]
 
 
 def save_side_state(model: nn.Module, directory: str | os.PathLike[str], save_id: str | None = None) -> Path | None:
@@ -34,7 +34,7 @@ def save_side_state(model: nn.Module, directory: str | os.PathLike[str], save_id
         return None
     path = Path(directory) / SIDE_FILE
     tmp = path.with_name(f".{SIDE_FILE}.tmp")
-    save_file({f"{layer.name}.selection_bias": layer.routing.selection_bias.contiguous() for layer in layers},
+    save_file({f"{layer.name}.selection_bias": layer.controls.selection_bias.contiguous() for layer in layers},
               tmp, metadata={**save_metadata(save_id), "namespace": "hf_hybrid_ep"})
     tmp.replace(path)
     return path
@@ -53,6 +53,6 @@ def load_side_state(model: nn.Module, directory: str | os.PathLike[str],
     for layer in _biased_layers(model):
         key = f"{layer.name}.selection_bias"
         if key in tensors:
-            layer.routing.selection_bias.copy_(tensors[key])
+            layer.controls.selection_bias.copy_(tensors[key])
             restored.append(key)
     return restored

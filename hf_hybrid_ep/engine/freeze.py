@@ -47,7 +47,7 @@ class ExpertFreezer:
         layers = state_of(self.model).layers
         if isinstance(self.spec, str):
             n = int(self.spec.split(":", 1)[1])
-            return {layer.name: torch.argsort(layer.routing.total, stable=True)[:n].tolist() for layer in layers}
+            return {layer.name: torch.argsort(layer.load.total, stable=True)[:n].tolist() for layer in layers}
         if isinstance(self.spec, dict):
             return {k: list(v) for k, v in self.spec.items()}
         return {layer.name: list(self.spec) for layer in layers}

@@ -20,11 +20,13 @@ from ..config import HybridEPConfig
 from ..dispatch import PlacementTable, choose_backend, resolve_backend
 from ..dispatch.table import layer_tables
 from ..errors import HybridEPConfigError
+from ..moe.aux_losses import add_aux_losses
 from ..moe.discovery import check_shardable, find_shared_expert
 from ..moe.holdings import expert_holdings
 from ..moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
+from ..moe.load import attach_load_accounting
 from ..moe.rebalance import Rebalancer
-from ..moe.routing import add_aux_losses_hook, install_router_controls
+from ..moe.router_controls import install_router_controls
 from ..moe.shadow import ShadowManager
 from ..parallel.agreement import InputAgreement
 from ..parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
@@ -186,10 +188,11 @@ def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: l
 
 
 def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts]) -> None:
-    """Router temperature, bias updates, device-load factors, load accounting; aux and z losses."""
+    """Router temperature, bias updates, device-load factors; load accounting; aux and z losses."""
     install_router_controls(model, layers, config)
+    attach_load_accounting(model, layers, bool(config.coactivation_stats))
     if config.aux_loss_coef or config.z_loss_coef:
-        add_aux_losses_hook(model, layers)
+        add_aux_losses(model, layers, config)
 
 
 def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..moe.routing import on_optimizer_step
+from ..moe.load import reduce_step_loads
 from .optimizers import wait_for_parameters
 from .state import state_of
 
@@ -44,8 +44,13 @@ def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
     counts = None
     if state.shadows is not None:
         wait_for_parameters(model)  # the shadows' weights are read from the updated parameters
-        counts = state.shadows.step_counts()  # before on_optimizer_step resets the step's counters
-    on_optimizer_step(model, state.config, state.layers, state.mesh, state.optimizer_steps, state.rebalancer)
+        counts = state.shadows.step_counts()  # before reduce_step_loads resets the step's counters
+    loads = reduce_step_loads(state.layers, state.mesh, state.optimizer_steps)  # world totals of the step
+    if state.rebalancer is not None:
+        state.rebalancer.record({layer.name: t for layer, t in zip(state.layers, loads, strict=True)})
+    for layer, totals in zip(state.layers, loads, strict=True):
+        if layer.controls is not None:
+            layer.controls.after_step(totals[: layer.num_experts], state.config)
     if state.rebalancer is not None and state.rebalancer.after_step(state.optimizer_steps, optimizer) is not None:
         state.backward.watch(state.reducer.parameters())  # parameters a changed slot count replaced
     if state.shadows is not None:

@@ -28,7 +28,7 @@ from torch import nn
 from ..engine.state import is_parallelized
 from ..errors import HybridEPConfigError
 from ..moe.discovery import expert_parameter_names, find_experts_modules
-from ..moe.routing import find_router
+from ..moe.router_rules import find_router
 from ..parallel.devices import place_module
 from .policies import ExpertCache
 from .stores import MemoryStore, SafetensorsStore, _make_store

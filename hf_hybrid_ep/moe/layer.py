@@ -20,9 +20,9 @@ from ..dispatch import CommStats, DispatchPlan, PlacementTable, SideChannel, mak
 from ..errors import HybridEPConfigError
 from ..parallel.agreement import CONTROL_INTS, InputAgreement, control_vector
 from ..parallel.mesh import HybridMesh, all_gather_flat
+from .capacity import apply_capacity
 from .discovery import expert_parameter_names
 from .experts import ExpertCompute, autocast_dtype
-from .routing import apply_capacity
 
 if TYPE_CHECKING:
     from ..config import HybridEPConfig
@@ -89,7 +89,8 @@ class ShardedExperts:
         self.local_experts = table.local_experts(mesh.ep_rank)
         self.param_names = expert_parameter_names(name, module)
         self.stats = CommStats()
-        self.routing = None  # a routing.LayerRouting, attached by install_router_controls
+        self.load = None  # a load.ExpertLoad, attached by attach_load_accounting
+        self.controls = None  # a router_controls.RouterControls while selection controls are on
         self.shared_overlap = shared_overlap
         self.layer_id = layer_id
         self.layer_names: dict[int, str] = layer_names or {layer_id: name}
@@ -222,8 +223,8 @@ class ShardedExperts:
             top_k_index, dropped = apply_capacity(
                 top_k_index, top_k_weights, self.num_experts, o.capacity_factor, o.drop_policy
             )
-        if self.routing is not None:
-            self.routing.count(top_k_index, dropped)
+        if self.load is not None:
+            self.load.count(top_k_index, dropped)
         return top_k_index
 
     def _local_slot_of(self, device: torch.device) -> torch.Tensor | None:

@@ -113,8 +113,8 @@ class ShadowManager:
         width = max(layer.num_experts for layer in self.layers)
         rows = []
         for layer in self.layers:
-            routing = getattr(layer, "routing", None)
-            counts = routing.step[: layer.num_experts] if routing is not None else torch.zeros(layer.num_experts)
+            load = layer.load
+            counts = load.step[: layer.num_experts] if load is not None else torch.zeros(layer.num_experts)
             rows.append(torch.nn.functional.pad(counts.double().cpu(), (0, width - layer.num_experts)))
         return torch.stack(rows).tolist()
 
@@ -122,9 +122,8 @@ class ShadowManager:
         """This rank's shadows for layer ``index``: remote experts whose predicted token bytes saved exceed
         the weight and gradient bytes, the ``capacity`` best. Predictor: the previous step's pair counts."""
         layer = self.layers[index]
-        routing = getattr(layer, "routing", None)
         row_bytes = self.row_bytes.get(index)
-        if routing is None or row_bytes is None:
+        if layer.load is None or row_bytes is None:
             return []
         if counts is None:
             counts = self.step_counts()[index]

@@ -41,7 +41,7 @@ def _global_inputs(model: torch.nn.Module, world: int, seed: int, seq: int = SEQ
 
 def _skew_routers(model: torch.nn.Module, hot: list[int], bias: float) -> None:
     """Make experts ``hot`` draw most tokens: raise their logits in every router's bias."""
-    from hf_hybrid_ep.moe.routing import find_router
+    from hf_hybrid_ep.moe.router_rules import find_router
 
     for name, module in hep.find_experts_modules(model):
         router = find_router(model, name, module.num_experts)[1]

@@ -39,12 +39,12 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num
             capacity_factor=capacity_factor, overlap_degree=overlap_degree))
         traces: dict[str, list[torch.Tensor]] = {}
         for layer in hep.state_of(model).layers:
-            def count(index: torch.Tensor, dropped: int = 0, _original: Callable[..., None] = layer.routing.count,
+            def count(index: torch.Tensor, dropped: int = 0, _original: Callable[..., None] = layer.load.count,
                       _name: str = layer.name, _traces: dict[str, list[torch.Tensor]] = traces) -> None:
                 _traces.setdefault(_name, []).append(index.detach().reshape(-1, index.shape[-1]).clone())
                 _original(index, dropped)
 
-            layer.routing.count = count
+            layer.load.count = count
         out = model(**_rank_slice(_global_inputs(model, world, seed=4), rank))
         out.loss.backward()
         runs[dispatcher] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},

@@ -121,5 +121,6 @@ def routing_metrics(dp: int, ep: int, steps: int = 3, **controls: Any) -> dict:
         first = next(iter(report.values()))
         shares.append(first["tokens_per_rank"][0] / max(1, sum(first["tokens_per_rank"])))
     state = hep.state_of(model)
-    biases = [layer.routing.selection_bias.tolist() for layer in state.layers if layer.routing.selection_bias is not None]
+    biases = [layer.controls.selection_bias.tolist() for layer in state.layers
+              if layer.controls is not None and layer.controls.selection_bias is not None]
     return {"report": report, "biases": biases, "rank0_share": shares}

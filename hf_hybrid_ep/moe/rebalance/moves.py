@@ -147,8 +147,9 @@ def apply_tables(model: nn.Module, layers: list[ShardedExperts], reducer: Gradie
             if sharding is None and optimizer is not None and p in optimizer.state:
                 optimizer.state[p].update(moved[id(p)])
         layer.set_table(new)
-        if layer.routing is not None:
-            layer.routing.remap([new.holders(e)[0] for e in range(new.num_experts)], config.device_load_factors)
+        if layer.controls is not None:
+            layer.controls.remap([new.holders(e)[0] for e in range(new.num_experts)], layer.load.total,
+                                 config.device_load_factors)
     if not moved:
         return 0
     holder_sets, holdings = expert_holdings(layers, reducer.mesh)

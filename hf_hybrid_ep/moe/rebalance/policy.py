@@ -77,15 +77,14 @@ class Rebalancer:
         self.optimizer = None  # registered by make_optimizer, or given to after_optimizer_step
 
     # ------------------------------------------------------------------ decision
-    def record(self, layer_name: str, totals: torch.Tensor) -> None:
-        """Add one step's all-reduced counters of a layer (``after_optimizer_step`` calls this)."""
-        if layer_name in self.window:
-            self.window[layer_name] += totals
-        else:
-            self.window[layer_name] = totals.clone()
-
-    def step_done(self) -> None:
+    def record(self, totals: dict[str, torch.Tensor]) -> None:
+        """Add one optimizer step's all-reduced counters, by layer name (``after_optimizer_step`` calls this)."""
         self.window_steps += 1
+        for name, t in totals.items():
+            if name in self.window:
+                self.window[name] += t
+            else:
+                self.window[name] = t.clone()
 
     def _loads(self, layer) -> np.ndarray:
         totals = self.window.get(layer.name)
@@ -124,9 +123,9 @@ class Rebalancer:
         tables = {}
         for layer in layers:
             coact = None
-            if layer.routing is not None and layer.routing.coactivation and layer.name in self.window:
-                coact = layer.routing.coactivation_matrix(self.window[layer.name]).double().numpy()
-            table = refit(self._loads(layer), coact, layer.routing.top_k if layer.routing else 1, layer.table,
+            if layer.load.coactivation and layer.name in self.window:
+                coact = layer.load.coactivation_matrix(self.window[layer.name]).double().numpy()
+            table = refit(self._loads(layer), coact, layer.load.top_k or 1, layer.table,
                           mesh.ep_degree, config.topology, config.rebalance_replicas, config.rebalance_tolerance)
             tables[layer.name] = [list(row) for row in table.rows]
         return tables
