@@ -6,7 +6,7 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
-from .config import HybridEPConfig, ParallelDims
+from .config import HybridEPConfig
 from .dispatch import PlacementTable
 from .engine import (
     ExpertFreezer,
@@ -55,7 +55,6 @@ __all__ = [
     "HybridEPConfig",
     "HybridEPConfigError",
     "HybridMesh",
-    "ParallelDims",
     "is_fused_experts",
     "layer_counters",
     "make_optimizer",

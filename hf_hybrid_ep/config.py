@@ -9,11 +9,12 @@ before any process group or tensor is touched.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from .errors import HybridEPConfigError
 from .parallel.topology import Topology, ranks_per_node
@@ -73,41 +74,6 @@ def _env_value(name: str, default: Any) -> Any:
     if name in ("dp_degree", "ep_degree") and not isinstance(value, int):
         raise HybridEPConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer")
     return value
-
-
-class ParallelDims(NamedTuple):
-    """A validated ``dp × ep`` layout of the world, as :meth:`HybridEPConfig.resolve` returns it (the
-    shape of torchtitan's ``ParallelDims``). A tuple, so ``dp, ep = config.resolve(...)`` unpacks it.
-
-    Attributes:
-        dp: expert-data-parallel degree: ranks holding the same experts (dense weights are replicated
-            over all ``dp · ep`` ranks).
-        ep: expert-parallel degree: ranks one MoE layer's experts are sharded over.
-    """
-
-    dp: int
-    ep: int
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.ep
-
-    @property
-    def edp(self) -> int:
-        """Ranks in one EDP group (the mesh axis ``edp``), the same as ``dp``."""
-        return self.dp
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    def experts_per_rank(self, num_experts: int) -> int:
-        """Routed experts each rank holds under a contiguous placement of ``num_experts``."""
-        return num_experts // self.ep
 
 
 @dataclass
@@ -286,7 +252,7 @@ class HybridEPConfig:
     # ------------------------------------------------------------------ validation
     def _check_static(self) -> None:
         for name in ("dp_degree", "ep_degree"):
-            _check_int(name, getattr(self, name), optional=True)
+            check_int(name, getattr(self, name), optional=True)
         if self.dispatcher not in DISPATCHER_BACKENDS:
             raise HybridEPConfigError(
                 f"dispatcher={self.dispatcher!r} is not available; choose one of {list(DISPATCHER_BACKENDS)}"
@@ -298,18 +264,18 @@ class HybridEPConfig:
             _check_number(name, getattr(self, name), positive=False, optional=True)
         _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
         for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "shadow_capacity"):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("overlap_grad_reduce", "shadow_experts", "coactivation_stats", "verify_checksums"):
             _check_bool(name, getattr(self, name))
         _check_number("bucket_size_mb", self.bucket_size_mb, positive=True, unit=" of MiB")
         _check_choice("optimizer_sharding", self.optimizer_sharding, OPTIMIZER_SHARDINGS)
         _check_choice("dense_sharding", self.dense_sharding, DENSE_SHARDINGS)
-        _check_int("rebalance_every", self.rebalance_every, optional=True)
+        check_int("rebalance_every", self.rebalance_every, optional=True)
         over = self.rebalance_when_imbalance_over
         if over is not None and (isinstance(over, bool) or not isinstance(over, int | float) or not over > 1):
             raise HybridEPConfigError(f"rebalance_when_imbalance_over={over!r} must be a number above 1 (max/mean) "
                                       "or None")
-        _check_int("rebalance_replicas", self.rebalance_replicas, minimum=0)
+        check_int("rebalance_replicas", self.rebalance_replicas, minimum=0)
         _check_number("rebalance_tolerance", self.rebalance_tolerance, positive=False)
         if self.topology is not None:
             if not isinstance(self.topology, str):
@@ -351,9 +317,9 @@ class HybridEPConfig:
             or self.force_balanced_routing
         )
 
-    def resolve(self, world_size: int, num_experts: int, local_world_size: int | None = None) -> ParallelDims:
-        """The validated layout (``(dp_degree, ep_degree)`` as a :class:`ParallelDims`) for this world and
-        expert count, or raise naming the values.
+    def resolve(self, world_size: int, num_experts: int, local_world_size: int | None = None) -> tuple[int, int]:
+        """The validated layout ``(dp_degree, ep_degree)`` for this world and expert count, or raise naming the
+        values (:func:`hf_hybrid_ep.build_mesh` then builds the one object that owns the degrees and the mesh).
 
         Args:
             world_size: number of ranks ``W``.
@@ -396,7 +362,7 @@ class HybridEPConfig:
                 f"num_experts={num_experts} is not divisible by ep_degree={ep} under placement="
                 f"{self.placement!r}; pick an ep_degree that divides {num_experts} or give an explicit table"
             )
-        return ParallelDims(dp, ep)
+        return dp, ep
 
 
 def _check_rows(rows: object, what: str) -> None:
@@ -422,14 +388,14 @@ def placement_row_count(placement: object) -> int | None:
     return len(placement)
 
 
-def _check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> None:
+def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False, detail: str = "") -> None:
     """Raise unless ``value`` is an integer ≥ ``minimum`` (1: positive, 0: non-negative), or ``None``
-    when ``optional``; a bool is not an integer here."""
+    when ``optional``; a bool is not an integer here. ``detail`` ends the message."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         kind = "positive integer" if minimum == 1 else "non-negative integer"
-        raise HybridEPConfigError(f"{name}={value!r} must be a {kind}" + (" or None" if optional else ""))
+        raise HybridEPConfigError(f"{name}={value!r} must be a {kind}" + (" or None" if optional else "") + detail)
 
 
 def _check_number(name: str, value: Any, *, positive: bool, optional: bool = False, unit: str = "") -> None:

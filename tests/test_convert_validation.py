@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
-from hf_hybrid_ep.checkpoint.layout import build_meta_model, classify_keys, model_experts, read_config
+from hf_hybrid_ep.checkpoint.keys import build_meta_model, classify_keys, model_experts, read_config
 from hf_hybrid_ep.checkpoint.safetensors_io import TensorSpec
 from hf_hybrid_ep.checkpoint.validate import validate_against_model
 from hf_hybrid_ep.cli import main as cli

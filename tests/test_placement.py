@@ -10,7 +10,7 @@ import pytest
 from hf_hybrid_ep import HybridEPConfigError
 from hf_hybrid_ep.cli import main as cli
 from hf_hybrid_ep.dispatch import PlacementTable
-from hf_hybrid_ep.parallel.topology import Topology, ep_group_layout
+from hf_hybrid_ep.parallel.topology import Topology, ep_group_span
 from hf_hybrid_ep.planning.placement import (
     RoutingStats,
     balanced_placement,
@@ -171,17 +171,17 @@ def test_topology_and_ep_groups():
     topo = Topology.parse("racks=2,nodes_per_rack=2,gpus_per_node=4,inter_node=ethernet,rack_gbps=5")
     assert (topo.total_gpus, topo.network_gbps, topo.nvlink_gbps, topo.rack_gbps) == (16, 12.5, 300.0, 5.0)
     assert [topo.level(0, r) for r in (0, 3, 4, 8)] == ["local", "intra_node", "inter_node", "cross_rack"]
-    assert ep_group_layout(16, 4, topo).kind == "intra_node"  # EP groups inside a node
-    layout = ep_group_layout(16, 8, topo)  # ep > gpus_per_node: two whole nodes of one rack
-    assert (layout.kind, layout.nodes_per_group, layout.racks_per_group, layout.edp_crosses_nodes) == (
+    assert ep_group_span(16, 4, topo).kind == "intra_node"  # EP groups inside a node
+    span = ep_group_span(16, 8, topo)  # ep > gpus_per_node: two whole nodes of one rack
+    assert (span.kind, span.nodes_per_group, span.racks_per_group, span.edp_crosses_nodes) == (
         "hierarchical", 2, 1, True)
-    assert ep_group_layout(16, 16, topo).kind == "cross_rack"
+    assert ep_group_span(16, 16, topo).kind == "cross_rack"
     with pytest.raises(HybridEPConfigError, match="ep_degree=3 does not divide gpus_per_node=4"):
-        ep_group_layout(12, 3, "gpus_per_node=4")
+        ep_group_span(12, 3, "gpus_per_node=4")
     with pytest.raises(HybridEPConfigError, match="not a multiple of it"):
-        ep_group_layout(24, 6, "gpus_per_node=4")
+        ep_group_span(24, 6, "gpus_per_node=4")
     with pytest.raises(HybridEPConfigError, match="differs from the topology"):
-        ep_group_layout(8, 4, topo)
+        ep_group_span(8, 4, topo)
     with pytest.raises(HybridEPConfigError, match="unknown topology key"):
         Topology.parse("gpu=4")
 

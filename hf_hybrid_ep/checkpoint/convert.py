@@ -1,7 +1,7 @@
 """Streaming checkpoint rewriting: convert (Hub or local → hybrid EP), reshard and export.
 
-All three are one operation: read a safetensors checkpoint tensor by tensor and write it to a new
-layout. Peak memory is one tensor plus the writers' buffers, never the model. OUT is checked and
+All three are one operation: read a safetensors checkpoint tensor by tensor and write it to new
+files. Peak memory is one tensor plus the writers' buffers, never the model. OUT is checked and
 claimed before any work; output goes to a hidden staging sibling that is fsynced and renamed into
 place only when complete and listed in the manifest (:mod:`.atomic`); on any error it is removed and
 OUT is left untouched.
@@ -43,7 +43,7 @@ from .format import (
     read_index,
     write_index,
 )
-from .layout import ModelExperts, classify_keys, model_experts, model_tensor_names
+from .keys import ModelExperts, classify_keys, model_experts, model_tensor_names
 from .manifest import save_metadata
 from .safetensors_io import StreamingSafetensorsWriter, TensorFiles, TensorSpec, sha256_file
 from .side_state import SIDE_FILE
@@ -163,14 +163,14 @@ def _rewrite(
     index: CheckpointIndex,
     tmp: Path,
     save_id: str,
-    plan: Callable[[dict[str, TensorSpec]], dict[str, list[TensorSpec]]],
+    assign: Callable[[dict[str, TensorSpec]], dict[str, list[TensorSpec]]],
     finish: Callable[[Path, dict[str, str], dict[str, FileInfo], int], None],
     dtype: torch.dtype | None,
     progress: bool,
     keep_hybrid_state: bool = True,
     tensors: _Tensors | None = None,
 ) -> None:
-    """Stream every tensor of a (checked) source index into the files ``plan`` lays out in the staging
+    """Stream every tensor of a (checked) source index into the files ``assign`` lays out in the staging
     directory ``tmp``, then ``finish`` (which writes the index). The caller commits ``tmp``.
 
     A dequantized tensor of three or more dimensions is read, dequantized and written one expert at a
@@ -179,17 +179,17 @@ def _rewrite(
     src_dir = index.root
     tensors = tensors or _Tensors.plain(index)
     open_checkpoint(src_dir, verify=True).check_all()
-    layout = plan({k: _cast(s, dtype) for k, s in tensors.specs.items()})
-    _check_space(index, tmp, layout, tensors, progress)
+    file_map = assign({k: _cast(s, dtype) for k, s in tensors.specs.items()})
+    _check_space(index, tmp, file_map, tensors, progress)
     writers: dict[str, StreamingSafetensorsWriter] = {}
     try:
-        weight_map = {spec.name: file for file, specs in layout.items() for spec in specs}
-        for file, specs in layout.items():
+        weight_map = {spec.name: file for file, specs in file_map.items() for spec in specs}
+        for file, specs in file_map.items():
             writers[file] = StreamingSafetensorsWriter(tmp / file, specs, save_metadata(save_id))
         by_file: dict[str, list[str]] = {}
         for key in sorted(tensors.specs):
             by_file.setdefault(index.weight_map[tensors.dequantizer.sources(key)[0]], []).append(key)
-        total = sum(s.nbytes for specs in layout.values() for s in specs)
+        total = sum(s.nbytes for specs in file_map.values() for s in specs)
         with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
             for src_file in sorted(by_file):
                 with TensorFiles(index.weight_map, index.path) as raw:
@@ -207,9 +207,9 @@ def _rewrite(
         for w in writers.values():
             w.abort()
         raise
-    infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in layout}
+    infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in file_map}
     _copy_side_files(src_dir, tmp, keep_hybrid_state)
-    finish(tmp, weight_map, infos, sum(s.nbytes for specs in layout.values() for s in specs))
+    finish(tmp, weight_map, infos, sum(s.nbytes for specs in file_map.values() for s in specs))
 
 
 def free_bytes(directory: Path) -> int:
@@ -217,16 +217,16 @@ def free_bytes(directory: Path) -> int:
     return shutil.disk_usage(directory).free
 
 
-def _check_space(index: CheckpointIndex, tmp: Path, layout: dict[str, list[TensorSpec]], tensors: _Tensors,
+def _check_space(index: CheckpointIndex, tmp: Path, file_map: dict[str, list[TensorSpec]], tensors: _Tensors,
                  progress: bool) -> None:
     """State the output's size (and the keys left out) and refuse, before writing, when the output's
     filesystem lacks the room for it."""
     out = tmp.parent.parent / tmp.name  # the staging directory sits in a hidden sibling of OUT
-    specs = [s for group in layout.values() for s in group]
+    specs = [s for group in file_map.values() for s in group]
     side = sum(f.stat().st_size for f in index.root.iterdir() if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES))
     needed = sum(s.nbytes for s in specs) + side + _HEADER_BYTES_PER_TENSOR * len(specs)
     source = sum(s.nbytes for s in index.specs.values())
-    message = (f"{out}: writing {format_bytes(needed)} in {len(layout)} files from {index.root.name} "
+    message = (f"{out}: writing {format_bytes(needed)} in {len(file_map)} files from {index.root.name} "
                f"({format_bytes(source)}{tensors.describe()})")
     if tensors.dropped:
         message += (f"; leaving out {len(tensors.dropped)} key(s) the model does not load "
@@ -304,8 +304,8 @@ def convert_checkpoint(
 
 
 @dataclass
-class HybridLayout:
-    """Where each tensor of a hybrid-EP checkpoint goes (:meth:`plan`) and the index that describes the files
+class ShardFileMap:
+    """Where each tensor of a hybrid-EP checkpoint goes (:meth:`assign`) and the index that describes the files
     (:meth:`finish`): dense tensors in size-capped shards, per-expert keys in the file of the EP rank holding
     the expert (its first holder), fused ``[E, ...]`` tensors whole in size-capped shards."""
 
@@ -321,7 +321,7 @@ class HybridLayout:
     def ep_degree(self) -> int:
         return next(iter(self.tables.values())).ep_degree
 
-    def plan(self, specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
+    def assign(self, specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
         roles = classify_keys(specs, self.experts.num_experts)
         layer_of = _expert_key_layers(self.experts.model, [k for k, r in roles.items() if r.kind == "per_expert"],
                                       self.tables)
@@ -332,24 +332,24 @@ class HybridLayout:
         for k, s in sorted(specs.items()):
             if roles[k].kind == "per_expert":
                 per_rank[owner[(layer_of[k], roles[k].expert)]].append(s)
-        layout: dict[str, list[TensorSpec]] = {}
+        file_map: dict[str, list[TensorSpec]] = {}
         dense_groups = _pack_by_size(dense, self.max_shard_bytes)
         for i, group in enumerate(dense_groups, 1):
-            layout[dense_file(i, len(dense_groups))] = group
+            file_map[dense_file(i, len(dense_groups))] = group
         self.roles = {}
         for r, group in per_rank.items():
             if group:
-                layout[rank_file(r, self.ep_degree)] = group
+                file_map[rank_file(r, self.ep_degree)] = group
                 self.roles[rank_file(r, self.ep_degree)] = ("experts", r)
         fused_groups = _pack_by_size(fused, self.max_shard_bytes)
         for i, group in enumerate(fused_groups, 1):
-            layout[fused_file(i, len(fused_groups))] = group
+            file_map[fused_file(i, len(fused_groups))] = group
             self.roles[fused_file(i, len(fused_groups))] = ("fused", None)
         kinds = {r.kind for r in roles.values()} - {"dense"}
         self.storage = kinds.pop() if len(kinds) == 1 else "mixed"
         floats = [s.dtype for s in specs.values() if s.dtype.is_floating_point]
         self.dtype = str(max(set(floats), key=floats.count)).removeprefix("torch.") if floats else "none"
-        return layout
+        return file_map
 
     def finish(self, tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
         for name, info in infos.items():
@@ -385,14 +385,14 @@ def convert_into(
     source = _source_record(src_dir, source, index)
     if tensors.dequantizer.quantization is not None:
         source["dequantized_from"] = tensors.dequantizer.quantization.record(tensors.dequantizer.dtype)
-    layout = HybridLayout(experts, tables, max_shard_bytes, source)
+    file_map = ShardFileMap(experts, tables, max_shard_bytes, source)
 
     def finish(tmp: Path, weight_map: dict[str, str], infos: dict[str, FileInfo], total: int) -> None:
-        layout.finish(tmp, weight_map, infos, total)
+        file_map.finish(tmp, weight_map, infos, total)
         if tensors.dequantizer.quantization is not None and (tmp / "config.json").is_file():
             _drop_quantization_config(tmp / "config.json")
 
-    _rewrite(index, tmp, save_id, layout.plan, finish, torch_dtype, progress, tensors=tensors)
+    _rewrite(index, tmp, save_id, file_map.assign, finish, torch_dtype, progress, tensors=tensors)
 
 
 def _source_tensors(index: CheckpointIndex, experts: ModelExperts, dtype: torch.dtype | None) -> _Tensors:
@@ -435,7 +435,7 @@ def _placement_tables(placement: PlacementSpec | PlacementTable | None, ep_degre
         tables = layer_tables(placement, layers, ep_degree or rows)
     except (HybridEPConfigError, TypeError) as err:
         if isinstance(placement, str):
-            raise  # the contiguous layout's own error names the values
+            raise  # the contiguous placement's own error names the values
         raise CheckpointError(f"placement does not fit a model with {experts.num_experts} experts: {err}") from err
     return {name: table for (name, _), table in zip(layers, tables, strict=True)}
 
@@ -472,7 +472,7 @@ def export_checkpoint(
     if (src_dir / SIDE_FILE).is_file():
         dropped.append(f"{SIDE_FILE}: selection-only router biases (aux-loss-free balancing)")
 
-    def plan(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
+    def assign(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
         groups = _pack_by_size([s for _, s in sorted(specs.items())], max_shard_bytes)
         return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups, 1)}
 
@@ -480,5 +480,5 @@ def export_checkpoint(
         write_index(tmp, weight_map, total, None)
 
     with staged_save(out, fresh=True) as (tmp, save_id):
-        _rewrite(index, tmp, save_id, plan, finish, None, progress, keep_hybrid_state=False)
+        _rewrite(index, tmp, save_id, assign, finish, None, progress, keep_hybrid_state=False)
     return dropped

@@ -30,7 +30,7 @@ from .atomic import open_checkpoint
 from .convert import hub_metadata
 from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
 from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
-from .layout import build_meta_model, model_tensor_names, read_config
+from .keys import build_meta_model, model_tensor_names, read_config
 from .manifest import CheckpointVerifier
 from .safetensors_io import TensorFiles, read_header
 from .side_state import load_side_state
@@ -62,7 +62,7 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
 
 
-def plan_rank_local(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, _Target]:
+def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, _Target]:
     """Map every model tensor this rank needs to the checkpoint keys it is made of."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
@@ -170,7 +170,7 @@ def load_rank_local_(
     verifier = verifier or open_checkpoint(root, local=fetch is None)
     weight_map = _weight_map(root)
     dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
-    targets = plan_rank_local(model, layers, dequantizer.weight_map(weight_map))
+    targets = rank_local_targets(model, layers, dequantizer.weight_map(weight_map))
     reader = _Reader(root, weight_map, fetch, verifier, dequantizer)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
@@ -241,7 +241,7 @@ def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[st
     degree fits."""
     import dataclasses
 
-    import torch.distributed as dist
+    from ..parallel.mesh import world_size
 
     stored = checkpoint_placement(root)
     if stored is None or not isinstance(config.placement, str):
@@ -253,7 +253,7 @@ def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[st
     if all(PlacementTable.from_rows(num_experts, rows).is_contiguous() for rows in tables):
         return config
     rows = len(tables[0])
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = world_size()
     if config.ep_degree is not None:
         ep = config.ep_degree
     elif config.dp_degree is not None:

@@ -1,9 +1,9 @@
 """Writing a live hybrid-EP model as a hybrid-EP checkpoint, one module at a time.
 
-Every rank derives the same plan from the model, without a collective: the modules in order, and the
+Every rank derives the same schedule from the model, without a collective: the modules in order, and the
 checkpoint keys each module's tensors are saved as (the model's original key format: transformers' reverse
 weight conversion, applied to meta tensors of the full shapes), laid out in files as conversion lays them
-out (:class:`~hf_hybrid_ep.checkpoint.convert.HybridLayout`). Then module by module: a dense module's
+out (:class:`~hf_hybrid_ep.checkpoint.convert.ShardFileMap`). Then module by module: a dense module's
 tensors are read on rank 0 (FSDP2-sharded ones assembled over the world first); an MoE layer's experts are
 all-gathered over rank 0's EP group one parameter at a time, into host memory on rank 0. Rank 0 reverts
 them to the checkpoint keys and writes them at their offsets in the files (their headers are written up
@@ -26,9 +26,9 @@ from ..engine.state import state_of
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
 from ..parallel.heartbeat import FAILED, WORKING, Heartbeat
-from .convert import HybridLayout
+from .convert import ShardFileMap
 from .format import FileInfo
-from .layout import ModelExperts
+from .keys import ModelExperts
 from .manifest import save_metadata
 from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, sha256_file
 from .side_state import save_side_state
@@ -71,7 +71,7 @@ def _revert(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 @dataclass
-class SavePlan:
+class SaveSchedule:
     """The same on every rank: the units in order, each one's checkpoint keys, and every key's spec."""
 
     units: list[_Unit]
@@ -79,7 +79,7 @@ class SavePlan:
     specs: dict[str, TensorSpec]
 
     @classmethod
-    def of(cls, model: nn.Module, tensors: dict[str, torch.Tensor]) -> SavePlan:
+    def of(cls, model: nn.Module, tensors: dict[str, torch.Tensor]) -> SaveSchedule:
         units = _units(tensors, state_of(model).layers)
         keys, specs = [], {}
         for unit in units:
@@ -96,13 +96,13 @@ class SavePlan:
 
 def _checked(tensors: dict[str, torch.Tensor], keys: list[str], unit: _Unit) -> dict[str, torch.Tensor]:
     if sorted(tensors) != keys:
-        raise CheckpointError(f"module {unit.module!r} reverted to keys {sorted(tensors)[:3]}..., the plan has "
+        raise CheckpointError(f"module {unit.module!r} reverted to keys {sorted(tensors)[:3]}..., the schedule has "
                               f"{keys[:3]}...")
     return tensors
 
 
 class _Files:
-    """Rank 0's checkpoint files, their headers written from the plan, filled as the units come."""
+    """Rank 0's checkpoint files, their headers written from the schedule, filled as the units come."""
 
     def __init__(self, directory: Path, files: dict[str, list[TensorSpec]], save_id: str) -> None:
         self.directory = directory
@@ -148,14 +148,14 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
     Collective; rank 0 writes."""
     state = state_of(model)
     tensors = savable_state(model)
-    plan = SavePlan.of(model, tensors)
+    schedule = SaveSchedule.of(model, tensors)
     experts = ModelExperts(model.config.model_type, state.layers[0].num_experts, len(state.layers), model)
-    layout = HybridLayout(experts, {layer.name: layer.table for layer in state.layers})
-    files = beat.alone(lambda: _Files(directory, layout.plan(plan.specs), save_id))  # None but on rank 0
+    file_map = ShardFileMap(experts, {layer.name: layer.table for layer in state.layers})
+    files = beat.alone(lambda: _Files(directory, file_map.assign(schedule.specs), save_id))  # None but on rank 0
     scratch = gather_scratch(model) if state.mesh.edp_rank == 0 else None  # every expert parameter passes through
     failure = None
     try:
-        for unit, keys in zip(plan.units, plan.keys, strict=True):
+        for unit, keys in zip(schedule.units, schedule.keys, strict=True):
             if beat.beat(FAILED if failure else WORKING) == FAILED:  # rank 0 stops at its first failure
                 raise failure
             host = host_tensors(model, {n: tensors[n] for n in unit.names}, rank0_only=True, scratch=scratch)
@@ -167,16 +167,16 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
             del host  # one module in host memory at a time
         if beat.beat(FAILED if failure else WORKING) == FAILED:
             raise failure
-        total = sum(spec.nbytes for spec in plan.specs.values())
-        beat.alone(lambda: _finish(model, directory, files, layout, total, save_id))
+        total = sum(spec.nbytes for spec in schedule.specs.values())
+        beat.alone(lambda: _finish(model, directory, files, file_map, total, save_id))
     except BaseException:
         if files is not None:
             files.abort()
         raise
 
 
-def _finish(model: nn.Module, directory: Path, files: _Files, layout: HybridLayout, total: int, save_id: str) -> None:
+def _finish(model: nn.Module, directory: Path, files: _Files, file_map: ShardFileMap, total: int, save_id: str) -> None:
     """Rank 0: close and checksum the files, then the index, config files and side state."""
-    layout.finish(directory, dict(files.file_of), files.close(), total)
+    file_map.finish(directory, dict(files.file_of), files.close(), total)
     _save_config(model, directory)
     save_side_state(model, directory, save_id)

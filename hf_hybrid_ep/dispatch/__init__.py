@@ -7,8 +7,8 @@ error, never a silent fallback. Adding a backend: docs/architecture.md, "Where t
 
 from __future__ import annotations
 
+from ..config import DISPATCHER_BACKENDS
 from ..errors import HybridEPConfigError
-from ..parallel.topology import ranks_per_node
 from .hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
 from .protocol import CombineInFlight, Dispatcher, DispatchPlan, LocalPairs, Received, SideChannel
 from .stats import CommStats, PhaseCounters
@@ -16,22 +16,8 @@ from .table import PlacementTable
 from .torch_backend import TorchDispatcher, TorchPlan
 from .triton_backend import TritonDispatcher, triton_unavailable_reason
 
-BACKENDS = {"torch": TorchDispatcher, "triton": TritonDispatcher, "hierarchical": HierarchicalDispatcher}
-
-
-def ep_nodes(mesh) -> int:
-    """Nodes one EP group spans (1 when it fits in a node).
-
-    Raises:
-        HybridEPConfigError: when the EP group spans nodes without filling whole nodes.
-    """
-    per_node = ranks_per_node(mesh.topology, mesh.world_size)
-    if mesh.ep_degree <= per_node:
-        return 1
-    if mesh.ep_degree % per_node:
-        raise HybridEPConfigError(f"ep_degree={mesh.ep_degree} spans nodes of {per_node} ranks but is not a multiple "
-                                  f"of {per_node}: an EP group must span whole nodes")
-    return mesh.ep_degree // per_node
+# Every backend by its name (the choices of HybridEPConfig.dispatcher are config.DISPATCHER_BACKENDS: these and "auto").
+BACKENDS = {cls.name: cls for cls in (TorchDispatcher, TritonDispatcher, HierarchicalDispatcher)}
 
 
 def resolve_backend(name: str, device_type: str = "cpu", nodes: int = 1) -> tuple[str, str]:
@@ -42,7 +28,7 @@ def resolve_backend(name: str, device_type: str = "cpu", nodes: int = 1) -> tupl
     once), else Triton on CUDA when importable, else torch. ``"hierarchical"`` inside one node is the
     torch path (there is nothing to deduplicate).
     """
-    if name not in (*BACKENDS, "auto"):
+    if name not in DISPATCHER_BACKENDS:
         raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: {sorted(BACKENDS)}")
     if name in ("auto", "hierarchical") and nodes > 1:
         why = "requested" if name == "hierarchical" else "auto"
@@ -64,7 +50,7 @@ def resolve_backend(name: str, device_type: str = "cpu", nodes: int = 1) -> tupl
 def choose_backend(name: str, mesh) -> tuple[str, str]:
     """:func:`resolve_backend` for a mesh (the nodes its EP groups span count only for ``auto`` and
     ``hierarchical``)."""
-    return resolve_backend(name, mesh.device_type, ep_nodes(mesh) if name in ("auto", "hierarchical") else 1)
+    return resolve_backend(name, mesh.device_type, mesh.ep_nodes if name in ("auto", "hierarchical") else 1)
 
 
 def make_dispatcher(name: str, table: PlacementTable, mesh, stats: CommStats, *, count_slots: int | None = None,
@@ -74,7 +60,7 @@ def make_dispatcher(name: str, table: PlacementTable, mesh, stats: CommStats, *,
     backend, _ = choose_backend(name, mesh)
     sizes = {"count_slots": count_slots, "control_ints": control_ints}
     if backend == "hierarchical":
-        groups = node_groups(mesh, ranks_per_node(mesh.topology, mesh.world_size))
+        groups = node_groups(mesh)
         return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, groups, **sizes)
     return BACKENDS[backend](table, mesh.ep_rank, mesh.ep_group, stats, **sizes)
 
@@ -96,7 +82,6 @@ __all__ = [
     "TorchPlan",
     "TritonDispatcher",
     "choose_backend",
-    "ep_nodes",
     "make_dispatcher",
     "resolve_backend",
     "triton_unavailable_reason",

@@ -57,14 +57,13 @@ class NodeGroups:
     intra_group: dist.ProcessGroup | None  # group rank = local index
 
 
-def node_groups(mesh, per_node: int) -> NodeGroups:
+def node_groups(mesh) -> NodeGroups:
     """Create the inter- and intra-node sub-groups of every EP group (every rank makes the same calls in the
     same order: group creation is a world collective) and return this rank's."""
-    ep = mesh.ep_degree
-    nodes = ep // per_node
+    ep, nodes, per_node = mesh.ep_degree, mesh.ep_nodes, mesh.ranks_per_node
     mine: dict[str, dist.ProcessGroup | None] = {}
-    for dp_rank in range(mesh.dp_degree):
-        base = dp_rank * ep
+    for edp_rank in range(mesh.dp_degree):
+        base = edp_rank * ep
         sets = [("inter", tuple(base + n * per_node + local for n in range(nodes))) for local in range(per_node)]
         sets += [("intra", tuple(base + node * per_node + local for local in range(per_node))) for node in range(nodes)]
         for kind, ranks in sets:

@@ -14,16 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import check_int
 from ..errors import HybridEPConfigError
 
 
 def _is_list_like(value: object) -> bool:
     return isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
-
-
-def _check_count(name: str, value: object, detail: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise HybridEPConfigError(f"{name}={value!r} must be a positive integer{detail}")
 
 
 @dataclass(frozen=True)
@@ -79,8 +75,8 @@ class PlacementTable:
     @classmethod
     def contiguous(cls, num_experts: int, ep_degree: int) -> PlacementTable:
         """EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``."""
-        _check_count("num_experts", num_experts)
-        _check_count("ep_degree", ep_degree)
+        check_int("num_experts", num_experts)
+        check_int("ep_degree", ep_degree)
         if num_experts % ep_degree != 0:
             raise HybridEPConfigError(
                 f"num_experts={num_experts} is not divisible by ep_degree={ep_degree} for a contiguous placement"
@@ -91,11 +87,11 @@ class PlacementTable:
     @classmethod
     def from_rows(cls, num_experts: int, rows: Sequence[Sequence[int]]) -> PlacementTable:
         """A table from one list of global expert ids per EP rank (integers; ``True`` is not an id)."""
-        _check_count("num_experts", num_experts)
+        check_int("num_experts", num_experts)
         if not _is_list_like(rows):
             raise HybridEPConfigError(f"placement table {rows!r} must be a list of rows (one per EP rank)")
         rows = list(rows)
-        _check_count("ep_degree", len(rows), f" (the table has {len(rows)} rows)")
+        check_int("ep_degree", len(rows), detail=f" (the table has {len(rows)} rows)")
         out = []
         for r, row in enumerate(rows):
             if not _is_list_like(row):

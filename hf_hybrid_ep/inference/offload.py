@@ -282,8 +282,8 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
 
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
-    from ..checkpoint.layout import build_meta_model, read_config
-    from ..checkpoint.load import _assemble, _Reader, plan_rank_local
+    from ..checkpoint.keys import build_meta_model, read_config
+    from ..checkpoint.load import _assemble, _Reader, rank_local_targets
 
     root = Path(path)
     if not root.is_dir():
@@ -297,7 +297,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     with torch.no_grad():
-        for name, target in sorted(plan_rank_local(model, [], weight_map).items()):
+        for name, target in sorted(rank_local_targets(model, [], weight_map).items()):
             if name in experts or (name not in params and name not in buffers):
                 continue
             value = _assemble(name, target, reader, model)

@@ -50,10 +50,10 @@ class SafetensorsStore:
         self.reader = None
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
-        from ..checkpoint.load import _Reader, plan_rank_local
+        from ..checkpoint.load import _Reader, rank_local_targets
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
-        self.targets = plan_rank_local(model, views, self.weight_map)
+        self.targets = rank_local_targets(model, views, self.weight_map)
         self.model, self.reader = model, _Reader(self.root, self.weight_map, verifier=self.verifier)
         self.param_names = {name: param_names for name, _, param_names in layers}
         for name, module, param_names in layers:  # a checkpoint of another model fails here, naming the key

@@ -1,7 +1,7 @@
-"""Find transformers' fused experts modules and read their layout (no process group is touched).
+"""Find transformers' fused experts modules and read their storage format (no process group is touched).
 
 A fused experts module is recognised structurally: transformers' ``use_experts_implementation``
-decorator gives every instance the layout flags ``has_gate``, ``has_bias``, ``is_transposed``,
+decorator gives every instance the format flags ``has_gate``, ``has_bias``, ``is_transposed``,
 ``is_concatenated``, ``has_post_expert_norm`` and ``_is_expert_parallel``, and the module holds 3-D
 parameters whose leading dimension is ``num_experts``. No class names are listed anywhere, so a new
 model family usually needs nothing here (docs/architecture.md, "Where to add …").
@@ -15,14 +15,14 @@ from torch import nn
 
 from ..errors import HybridEPConfigError
 
-LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+FORMAT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 
 
 @dataclass(frozen=True)
-class ExpertsLayout:
+class ExpertsFormat:
     """How one fused experts module stores its weights (the decorator's flags).
 
-    Standard layout: ``gate_up_proj [E, 2I, H]`` (gate then up), ``down_proj [E, H, I]``. Transposed
+    Standard format: ``gate_up_proj [E, 2I, H]`` (gate then up), ``down_proj [E, H, I]``. Transposed
     (GPT-OSS): ``[E, H, 2I]`` / ``[E, I, H]``; not concatenated: gate and up interleaved along 2I.
     """
 
@@ -33,13 +33,13 @@ class ExpertsLayout:
     has_post_expert_norm: bool
 
     @classmethod
-    def of(cls, module: nn.Module) -> ExpertsLayout:
-        return cls(**{flag: bool(getattr(module, flag)) for flag in LAYOUT_FLAGS})
+    def of(cls, module: nn.Module) -> ExpertsFormat:
+        return cls(**{flag: bool(getattr(module, flag)) for flag in FORMAT_FLAGS})
 
 
 def is_fused_experts(module: nn.Module) -> bool:
     """True for an instance of a class decorated with transformers' ``use_experts_implementation``."""
-    return all(hasattr(module, flag) for flag in (*LAYOUT_FLAGS, "_is_expert_parallel"))
+    return all(hasattr(module, flag) for flag in (*FORMAT_FLAGS, "_is_expert_parallel"))
 
 
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -67,8 +67,8 @@ def expert_parameter_names(name: str, module: nn.Module) -> list[str]:
     cls = type(module).__name__
     if not isinstance(num_experts, int) or num_experts < 1:
         raise HybridEPConfigError(f"cannot shard {name} ({cls}): it has no integer attribute num_experts")
-    layout = ExpertsLayout.of(module)
-    required = ["gate_up_proj" if layout.has_gate else "up_proj", "down_proj"]
+    fmt = ExpertsFormat.of(module)
+    required = ["gate_up_proj" if fmt.has_gate else "up_proj", "down_proj"]
     params = dict(module.named_parameters(recurse=False))
     for req in required:
         p = params.get(req)

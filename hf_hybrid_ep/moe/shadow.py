@@ -48,7 +48,7 @@ class LayerShadows:
     experts: list[int]
     owners: list[int]  # EP rank of each shadow's owner
     params: dict[str, nn.Parameter]  # parameter name -> [len(experts), ...] shadow weights (not in the model)
-    plan: dict[int, list[int]]  # every EP rank's shadows in this layer (the all-gathered decision)
+    held_by: dict[int, list[int]]  # every EP rank's shadows in this layer (the all-gathered decision)
     active: bool = True
     pending: list = field(default_factory=list)  # (work, send buffer) of the weight exchange in flight
     _slot_of: dict = field(default_factory=dict)  # device -> [E] int64 slot (-1: not shadowed)
@@ -171,7 +171,7 @@ class ShadowManager:
                 continue
             self._fetch(layer, masks[:, i])
 
-    def _plan(self, layer, masks: torch.Tensor) -> dict[int, list[int]]:
+    def _held_by(self, layer, masks: torch.Tensor) -> dict[int, list[int]]:
         """EP rank -> the experts it shadows in this layer, ordered by (owner, id)."""
         held: dict[int, list[int]] = {}
         for rank in range(masks.shape[0]):
@@ -182,7 +182,7 @@ class ShadowManager:
     def _fetch(self, layer, masks: torch.Tensor) -> None:
         """One asynchronous uneven all-to-all per expert parameter, received into the shadow parameters."""
         me, ep = self.mesh.ep_rank, self.mesh.ep_degree
-        held = self._plan(layer, masks)
+        held = self._held_by(layer, masks)
         slot = {e: s for s, e in enumerate(layer.local_experts)}
         requested = {rank: [e for e in held[rank] if self._owner(layer, e) == me] if rank != me else []
                      for rank in range(ep)}
@@ -211,7 +211,7 @@ class ShadowManager:
     def returns_pending(self) -> bool:
         """Whether shadow gradients will be returned at the end of this backward (some rank of this EP group
         holds a shadow): the reducer then holds the expert buckets back until they are."""
-        return any(layer.shadows is not None and layer.shadows.active and any(layer.shadows.plan.values())
+        return any(layer.shadows is not None and layer.shadows.active and any(layer.shadows.held_by.values())
                    for layer in self.layers)
 
     @torch.no_grad()
@@ -230,8 +230,8 @@ class ShadowManager:
             shadows = layer.shadows
             shadows.wait()
             send_rows = [shadows.owners.count(rank) for rank in range(ep)]
-            senders = [e for rank in range(ep) if rank != me for e in shadows.plan[rank] if self._owner(layer, e) == me]
-            recv_rows = [sum(1 for e in shadows.plan[rank] if self._owner(layer, e) == me) if rank != me else 0
+            senders = [e for rank in range(ep) if rank != me for e in shadows.held_by[rank] if self._owner(layer, e) == me]
+            recv_rows = [sum(1 for e in shadows.held_by[rank] if self._owner(layer, e) == me) if rank != me else 0
                          for rank in range(ep)]
             for name, p in zip(layer.param_names, layer.expert_parameters(), strict=True):
                 shadow = shadows.params[name]

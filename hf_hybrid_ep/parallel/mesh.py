@@ -1,11 +1,11 @@
 """The DP×EP device mesh and its process groups.
 
-Rank ``g = dp_rank * ep_degree + ep_rank``. EP groups are the ``ep_degree`` consecutive ranks of one
+Rank ``g = edp_rank * ep_degree + ep_rank``. EP groups are the ``ep_degree`` consecutive ranks of one
 row; EDP (expert-data-parallel) groups are the strided columns ``{ep_rank + i*ep}``. Launchers number
 ranks node-major, so with a :class:`~hf_hybrid_ep.parallel.topology.Topology` an EP group lies inside one node
 (NVLink) when ``ep ≤ gpus_per_node`` and spans whole nodes otherwise (hierarchical: NVLink inside,
 the network between); ``build_mesh(..., topology=...)`` checks that and refuses a group that would
-straddle a node boundary (:func:`hf_hybrid_ep.parallel.topology.ep_group_layout`).
+straddle a node boundary (:func:`hf_hybrid_ep.parallel.topology.ep_group_span`).
 Meshes are cached per ``(dp, ep, device type, world group)`` so repeated ``parallelize`` calls in one process reuse
 their groups (creating a group is a collective over the whole world).
 """
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .topology import GroupLayout, Topology, ep_group_layout
+from .topology import EPGroupSpan, Topology, ep_group_span, nodes_spanned, ranks_per_node
 
 _MESH_CACHE: dict[tuple, HybridMesh] = {}
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -27,10 +27,14 @@ _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 @dataclass(frozen=True)
 class HybridMesh:
-    """A validated DP×EP layout of the world and its process groups: mesh axes ``edp`` (expert data
-    parallel: ranks with the same experts) × ``ep`` (one EP group).
+    """The one dp × ep object: the validated degrees of the world's layout, this rank's place in it, and the
+    process groups (mesh axes ``edp`` × ``ep``).
 
-    ``device_mesh`` and the groups are ``None`` for a world of one process with no process group.
+    Words: ``dp_degree`` is the layout's data-parallel degree, the number of ranks holding the same experts
+    (an EDP group: ``edp_group``, this rank's index in it ``edp_rank``); ``ep_degree`` the ranks one layer's
+    experts are sharded over (an EP group). Dense weights are replicated on every rank and reduced over the
+    world (``world_size = dp_degree × ep_degree``). ``device_mesh`` and the groups are ``None`` for a world
+    of one process with no process group.
     """
 
     dp_degree: int
@@ -39,7 +43,7 @@ class HybridMesh:
     device_type: str
     device_mesh: DeviceMesh | None
     topology: Topology | None = None
-    layout: GroupLayout | None = None  # where the EP groups sit, when a topology is known
+    ep_span: EPGroupSpan | None = None  # where the EP groups sit, when a topology is known
     # A process group over the whole world of its own, for the asynchronous dense-gradient buckets: gloo runs
     # one group's collectives in order, so the token exchange (whose group is the world when ep = W) must not
     # queue behind a bucket in flight.
@@ -48,6 +52,20 @@ class HybridMesh:
     @property
     def world_size(self) -> int:
         return self.dp_degree * self.ep_degree
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks of one node: the topology's ``gpus_per_node``, else ``LOCAL_WORLD_SIZE``, at most the world."""
+        return ranks_per_node(self.topology, self.world_size)
+
+    @property
+    def ep_nodes(self) -> int:
+        """Nodes one EP group spans (1 when it fits in a node).
+
+        Raises:
+            HybridEPConfigError: when the EP group spans nodes without filling whole nodes.
+        """
+        return nodes_spanned(self.ep_degree, self.ranks_per_node)
 
     @property
     def ep_rank(self) -> int:
@@ -70,8 +88,8 @@ class HybridMesh:
     def world_group(self) -> dist.ProcessGroup | None:
         return None if self.device_mesh is None else dist.group.WORLD
 
-    def global_rank(self, dp_rank: int, ep_rank: int) -> int:
-        return dp_rank * self.ep_degree + ep_rank
+    def global_rank(self, edp_rank: int, ep_rank: int) -> int:
+        return edp_rank * self.ep_degree + ep_rank
 
     def group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """A process group over ``ranks`` (sorted global ranks); ``None`` when it is this rank alone.
@@ -126,15 +144,15 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
             f"dp_degree × ep_degree = {dp_degree} × {ep_degree} does not equal the world size {world}"
         )
     topo = None if topology is None else Topology.of(topology)
-    layout = None if topo is None else ep_group_layout(world, ep_degree, topo)
+    ep_span = None if topo is None else ep_group_span(world, ep_degree, topo)
     device_type = device_type or default_device_type()
     if not initialized:
-        return HybridMesh(1, 1, 0, device_type, None, topo, layout)
+        return HybridMesh(1, 1, 0, device_type, None, topo, ep_span)
     key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo)  # a new world gets new groups
     if key not in _MESH_CACHE:
         mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("edp", "ep"))
         reduction = dist.new_group(list(range(world)))
-        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, layout, reduction)
+        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, ep_span, reduction)
     return _MESH_CACHE[key]
 
 

@@ -14,7 +14,7 @@ A topology is read from a short spec string, e.g. ``racks=2,nodes_per_rack=2,gpu
 ``gpus_per_node=8,intra_node=pcie,intra_gbps=32,network_gbps=50`` (``nvlink_gbps`` is accepted as the
 older name of ``intra_gbps``), or from ``HybridEPConfig(topology=...)``.
 
-EP groups follow it (see :func:`ep_group_layout`): the ``ep`` consecutive ranks of an EP group lie
+EP groups follow it (see :func:`ep_group_span`): the ``ep`` consecutive ranks of an EP group lie
 inside one node when ``ep ≤ gpus_per_node`` (which needs ``gpus_per_node % ep == 0``); otherwise a group
 spans ``ep / gpus_per_node`` whole nodes (hierarchical: NVLink inside each node, the network between
 them), inside one rack when it fits in one.
@@ -156,9 +156,23 @@ def ranks_per_node(topology: Topology | str | None, world_size: int) -> int:
     return min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
 
 
+def nodes_spanned(ep_degree: int, per_node: int) -> int:
+    """Nodes one EP group of ``ep_degree`` consecutive ranks spans on nodes of ``per_node`` ranks (1 inside one).
+
+    Raises:
+        HybridEPConfigError: when the group spans nodes without filling whole ones.
+    """
+    if ep_degree <= per_node:
+        return 1
+    if ep_degree % per_node:
+        raise HybridEPConfigError(f"ep_degree={ep_degree} spans nodes of {per_node} ranks but is not a multiple "
+                                  f"of {per_node}: an EP group must span whole nodes")
+    return ep_degree // per_node
+
+
 @dataclass(frozen=True)
-class GroupLayout:
-    """Where the EP groups of a dp × ep layout sit (global ranks ``g = dp_rank · ep + ep_rank``).
+class EPGroupSpan:
+    """Where the EP groups of a dp × ep layout sit (global ranks ``g = edp_rank · ep + ep_rank``).
 
     Attributes:
         kind: ``"intra_node"`` (every EP group inside one node), ``"hierarchical"`` (an EP group spans
@@ -174,7 +188,7 @@ class GroupLayout:
     edp_crosses_nodes: bool
 
 
-def ep_group_layout(world_size: int, ep_degree: int, topology: Topology | str | None) -> GroupLayout:
+def ep_group_span(world_size: int, ep_degree: int, topology: Topology | str | None) -> EPGroupSpan:
     """Check that the EP groups of consecutive ranks follow the topology and describe them.
 
     Raises:
@@ -195,9 +209,9 @@ def ep_group_layout(world_size: int, ep_degree: int, topology: Topology | str | 
             f"ep_degree={ep_degree} is larger than gpus_per_node={topo.gpus_per_node} but not a multiple of it: "
             "an EP group must span whole nodes"
         )
-    nodes = max(1, ep_degree // gpn)
+    nodes = nodes_spanned(ep_degree, gpn)
     groups = range(0, world_size, ep_degree)
     racks = max(len({topo.rack_of(g + r) for r in range(ep_degree)}) for g in groups)
     kind = "intra_node" if nodes == 1 else ("hierarchical" if racks == 1 else "cross_rack")
     edp_nodes = {topo.node_of(g) for g in groups}
-    return GroupLayout(kind, nodes, racks, len(edp_nodes) > 1)
+    return EPGroupSpan(kind, nodes, racks, len(edp_nodes) > 1)

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from ..checkpoint.dequantize import checkpoint_bytes, quantization_config_of, quantization_of
-from ..checkpoint.layout import _from_config
+from ..checkpoint.keys import _from_config
 from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
 from ..moe.discovery import check_shardable, expert_parameter_names
 from ..parallel.topology import Topology

@@ -68,7 +68,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from ..checkpoint.format import format_bytes
-from ..parallel.topology import Topology, ep_group_layout
+from ..parallel.topology import Topology, ep_group_span
 from .counts import (  # noqa: F401  (re-exported: the planner's public names of 0.1)
     KNOWN_CONFIGS,
     RECIPES,
@@ -109,7 +109,7 @@ class LayoutPlan:
     a2a_bytes_per_step: int
     comm_bytes_per_step: int
     est_step_comm_s: float
-    ep_group: str = "intra_node"  # intra_node | hierarchical | cross_rack (topology.ep_group_layout)
+    ep_group: str = "intra_node"  # intra_node | hierarchical | cross_rack (topology.ep_group_span)
     comm_bytes_intra_node: int = 0  # per GPU per step, by the link level crossed
     comm_bytes_inter_node: int = 0
     comm_bytes_cross_rack: int = 0
@@ -131,7 +131,7 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
     a2a = routed * (ep - 1) / ep * 4
     split = _comm_split(gpus, dp, ep, topo, m.dense_params * g, m.expert_params / ep * g, routed * 4)
     seconds = sum(split[level] / (topo.bandwidth(level) * 1e9) for level in split)
-    group = ep_group_layout(gpus, ep, topo).kind if _follows(gpus, ep, topo) else "straddles_nodes"
+    group = ep_group_span(gpus, ep, topo).kind if _follows(gpus, ep, topo) else "straddles_nodes"
     return LayoutPlan(
         dp=dp, ep=ep, params_per_gpu=held, weight_bytes=rank0["weight_bytes"], grad_bytes=rank0["grad_bytes"],
         optimizer_bytes=rank0["optimizer_bytes"],
@@ -251,7 +251,7 @@ def _hybrid_vs_pure_ep(layouts: list[LayoutPlan], compare: Any) -> dict[str, Any
 def _follows(gpus: int, ep: int, topo: Topology) -> bool:
     """Whether EP groups of ``ep`` consecutive ranks lie inside a node or span whole nodes."""
     try:
-        ep_group_layout(gpus, ep, topo)
+        ep_group_span(gpus, ep, topo)
     except ValueError:
         return False
     return True

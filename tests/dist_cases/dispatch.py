@@ -55,7 +55,7 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num
                                   sources=[state.mesh.ep_rank] * len(traces[name]))["cross_node"] for name in traces)
     phases = {p: sum(stats[name][p]["remote_rows_sent"] for name in layers)
               for p in INTER_PHASES}
-    per_node = state.mesh.layout.nodes_per_group if state.mesh.layout else 1
+    per_node = state.mesh.ep_span.nodes_per_group if state.mesh.ep_span else 1
     return {
         "logits_rel": _rel(logits_b, logits_a), "grad_rel": max(_rel(grads_b[n], grads_a[n]) for n in grads_a),
         "kinds": sorted({type(layer.dispatcher).__name__ for layer in state.layers}),

@@ -38,7 +38,7 @@ def mesh_layout(dp: int | None, ep: int | None, topology: str) -> dict:
     hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, topology=topology))
     mesh = hep.state_of(model).mesh
     group = [mesh.global_rank(mesh.edp_rank, r) for r in range(mesh.ep_degree)]
-    return {"kind": mesh.layout.kind, "ep": mesh.ep_degree, "group": group,
+    return {"kind": mesh.ep_span.kind, "ep": mesh.ep_degree, "group": group,
             "nodes": sorted({mesh.topology.node_of(g) for g in group})}
 
 
