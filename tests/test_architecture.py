@@ -1,5 +1,6 @@
-"""The package's shape, as docs/architecture.md describes it: layers that import only downwards, no
-import cycles, no function longer than 80 lines, no logic written twice."""
+"""The package's shape, as docs/architecture.md describes it: layers that import only downwards (imports for
+type annotations included), no import cycles, ``parallel/`` and ``dispatch/`` blind to the model, every
+dispatcher backend on the one protocol, no function longer than 80 lines, no logic written twice."""
 
 from __future__ import annotations
 
@@ -42,18 +43,14 @@ def _layer_of(module: str) -> int:
 
 
 def _imports(path: Path) -> set[str]:
-    """Package modules ``path`` imports at run time (module level or inside functions; imports under
-    ``if TYPE_CHECKING:`` are for annotations only and not counted). ``from . import x`` counts as
-    importing the submodule ``x`` when there is one."""
+    """Package modules ``path`` imports: at module level, inside functions and under ``if TYPE_CHECKING:`` (an
+    import for annotations is a dependency of the reader too). ``from . import x`` counts as importing the
+    submodule ``x`` when there is one."""
     tree = ast.parse(path.read_text())
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    annotation_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in annotation_only:
-            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".") if package else []
@@ -115,9 +112,61 @@ def test_no_import_cycles():
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
+def _external_imports(path: Path) -> set[str]:
+    """Top-level names of the packages outside hf_hybrid_ep that ``path`` imports (anywhere in the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if not name.startswith("hf_hybrid_ep")}
+
+
+def test_process_groups_and_token_exchange_do_not_know_the_model():
+    """parallel/ and dispatch/ receive plain data: no engine state, no MoE layer, no transformers, and the
+    dispatchers no modules at all."""
+    wrong = []
+    for sub in ("parallel", "dispatch"):
+        for path in sorted((PACKAGE / sub).rglob("*.py")):
+            name = _module_name(path)
+            wrong += [f"{name} imports {t}" for t in _imports(path) if t.split(".")[0] in ("engine", "moe")]
+            external = _external_imports(path)
+            wrong += [f"{name} imports {t}" for t in external if t.split(".")[0] == "transformers"]
+            if sub == "dispatch":
+                wrong += [f"{name} imports {t}" for t in external if t == "torch.nn" or t.startswith("torch.nn.")]
+    assert not wrong, wrong
+
+
+def test_the_checks_above_can_fail(tmp_path):
+    """The import reader sees imports for annotations and external packages."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..moe.layer import ShardedExperts\n"
+                      "def f():\n    from transformers.integrations.moe import _grouped_linear\n")
+    assert "transformers.integrations.moe" in _external_imports(sample)
+
+
+def test_every_dispatcher_backend_implements_the_protocol():
+    import inspect
+
+    from hf_hybrid_ep.config import DISPATCHER_BACKENDS
+    from hf_hybrid_ep.dispatch import BACKENDS
+    from hf_hybrid_ep.dispatch.protocol import Dispatcher
+
+    assert set(BACKENDS) == set(DISPATCHER_BACKENDS) - {"auto"}
+    methods = [n for n in ("plan", "dispatch", "dispatch_async", "combine", "combine_async") if hasattr(Dispatcher, n)]
+    assert len(methods) == 5
+    for name, cls in BACKENDS.items():
+        assert cls.name == name
+        for method in methods:
+            want = list(inspect.signature(getattr(Dispatcher, method)).parameters)
+            got = list(inspect.signature(getattr(cls, method)).parameters)
+            assert got == want, (name, method, got, want)
+
+
 def test_layers_classify_modules_as_the_docs_say():
     """The layer check can fail: these imports would be upward ones."""
-    assert _layer_of("parallel.grads") < _layer_of("moe.layer") < _layer_of("parallelize")
+    assert _layer_of("parallel.grads") < _layer_of("moe.layer") < _layer_of("engine.setup")
     assert _layer_of("planning.placement.traffic") < _layer_of("moe.rebalance") < _layer_of("planning.planner")
     assert _layer_of("errors") == 0 and _layer_of("") == len(LAYERS) - 1
 
