@@ -8,6 +8,7 @@ import sys
 
 from .checkpoint import convert_checkpoint, export_checkpoint
 from .checkpoint.inspect import format_summary, inspect_checkpoint
+from .config import DISPATCHER_BACKENDS
 from .errors import CheckpointError, HybridEPConfigError
 
 TRUST_REMOTE_CODE_HELP = ("run code the checkpoint's config names (auto_map); off by default: never run code "
@@ -85,9 +86,10 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--calibrate-seconds", type=float, default=10.0, help="time budget of --calibrate, in (0, 30]")
     p.add_argument("--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s for the "
                    "optimizer term (default 3350: H100 SXM)")
-    p.add_argument("--dispatcher", choices=["auto", "torch", "hierarchical"], default="auto",
-                   help="the token exchange to model, as HybridEPConfig.dispatcher (auto, like the engine: "
-                   "hierarchical where an EP group spans nodes, one row per token and expert elsewhere)")
+    p.add_argument("--dispatcher", choices=[b for b in DISPATCHER_BACKENDS if b != "triton"], default="auto",
+                   help="the token exchange to model, as HybridEPConfig.dispatcher (auto, like the engine: dedup — "
+                   "one row per token and destination — where it sends fewer bytes, one row per token and expert "
+                   "elsewhere)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 

@@ -8,6 +8,7 @@ the layers and a token's path through them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ..moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
 from ..moe.load import attach_load_accounting
 from ..moe.rebalance import Rebalancer
 from ..moe.router_controls import install_router_controls
+from ..moe.router_rules import find_router
 from ..moe.shadow import ShadowManager
 from ..parallel.agreement import InputAgreement
 from ..parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
@@ -105,11 +107,12 @@ def parallelize(
         raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
     config = config or HybridEPConfig()
     found = check_shardable(model)
-    mesh, tables = _apply_layout(config=config, found=found)
+    mesh, tables, backend = _apply_layout(model=model, config=config, found=found)
     device = _apply_device(model=model, mesh=mesh)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
-    layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh)
+    layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh,
+                                               backend=backend)
     if materialize is not None:
         _agree(mesh, materialize, model, layers)
     place_module(model, device)  # after sharding: only this rank's experts reach the device
@@ -128,18 +131,22 @@ def parallelize(
     return model
 
 
-def _apply_layout(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]]) -> tuple[HybridMesh, list[PlacementTable]]:
-    """Resolve dp × ep for this world, build the mesh and one placement table per experts module.
+def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
+                  ) -> tuple[HybridMesh, list[PlacementTable], str]:
+    """Resolve dp × ep for this world, build the mesh and one placement table per experts module, and choose
+    the dispatcher backend (once for the model, logged with its reason).
 
     One layout for all layers: resolved against the gcd of the layers' expert counts."""
     dp, ep = config.resolve(world_size(), math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
     tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
     mesh = build_mesh(dp, ep, topology=config.topology)
-    backend, why = choose_backend(config.dispatcher, mesh)
+    routers = [find_router(model, name, m.num_experts) for name, m in found]
+    top_k = max((int(r[1].top_k) for r in routers if r is not None), default=1)
+    backend, why = choose_backend(config.dispatcher, mesh, top_k, max(t.slots_per_rank for t in tables))
     if mesh.rank == 0:
         logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
-    return mesh, tables
+    return mesh, tables, backend
 
 
 def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
@@ -168,12 +175,12 @@ def _count_slots(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], 
 
 
 def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
-                           tables: list[PlacementTable], mesh: HybridMesh,
+                           tables: list[PlacementTable], mesh: HybridMesh, backend: str,
                            ) -> tuple[list[ShardedExperts], InputAgreement]:
     """Replace every experts module's forward by an :class:`ShardedExperts` holding this rank's
-    experts only; all layers share one cross-rank input agreement."""
-    options = EPLayerOptions.from_config(config, _count_slots(config=config, found=found, tables=tables,
-                                                              ep=mesh.ep_degree))
+    experts only, exchanging through ``backend``; all layers share one cross-rank input agreement."""
+    count_slots = _count_slots(config=config, found=found, tables=tables, ep=mesh.ep_degree)
+    options = dataclasses.replace(EPLayerOptions.from_config(config, count_slots), dispatcher=backend)
     names = {i: name for i, (name, _) in enumerate(found)}
     agreement = InputAgreement(mesh, names)
     layers = []

@@ -33,7 +33,8 @@ class EPLayerOptions:
     """How an :class:`ShardedExperts` runs (from :class:`~hf_hybrid_ep.HybridEPConfig`).
 
     Attributes:
-        dispatcher: backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"hierarchical"``).
+        dispatcher: the concrete backend (``"torch"``, ``"triton"``, ``"dedup"``; ``parallelize`` resolves
+            ``"auto"`` once for the model).
         check_finite: raise on every rank when a layer's input holds NaN or inf.
         alignment: rows per expert padded to a multiple of this (the Triton backend's tile).
         count_slots: slots per EP rank in every counts message (equal for every layer, see ``parallelize``).

@@ -173,7 +173,8 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
     3350) feed :func:`hf_hybrid_ep.planning.step_time.predict_step_time`; ``calibration`` (a
     :class:`~hf_hybrid_ep.planning.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
     from ``topology``. ``dispatcher`` (as ``HybridEPConfig.dispatcher``) decides how the token exchange is
-    modelled: ``"auto"`` and ``"hierarchical"`` count node-deduplicated rows where an EP group spans nodes. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
+    modelled: ``"dedup"`` (and ``"auto"`` where the engine picks it) counts one row per token and destination node and
+    rank. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
     sources = {"device_flops": "default" if device_flops is None else "given",
@@ -333,10 +334,10 @@ def format_plan(result: dict[str, Any]) -> str:
                  f"{links['cross_rack_gbps']:g} GB/s per GPU); optimizer at {model['memory_gbps']:g} GB/s memory "
                  f"({src['memory_gbps']})")
     deduplicated = [f"{p['dp']} × {p['ep']}" for p in result["layouts"]
-                    if p["step_time"].get("dispatcher") == "hierarchical"]
+                    if p["step_time"].get("dispatcher") == "dedup"]
     lines.append(f"token exchange as dispatcher={model.get('dispatcher', 'torch')!r}: "
-                 + (f"node-deduplicated (hierarchical) for {', '.join(deduplicated)}, where the EP group spans nodes; "
-                    "one row per token and expert elsewhere" if deduplicated else "one row per token and expert"))
+                 + (f"one row per token and destination node and rank for {', '.join(deduplicated)}; one row per "
+                    "token and expert elsewhere" if deduplicated else "one row per token and expert"))
     rec = result["recommended"]
     if rec is None:
         lines.append(result["advice"]["message"])
