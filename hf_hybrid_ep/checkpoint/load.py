@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import HybridEPConfig
 from ..engine.state import state_of
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HybridEPConfigError
 from ..moe.layer import ShardedExperts
 from ..parallel.devices import rank_device
 from ..parallel.mesh import default_device_type
@@ -253,13 +253,10 @@ def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[st
     if all(PlacementTable.from_rows(num_experts, rows).is_contiguous() for rows in tables):
         return config
     rows = len(tables[0])
-    world = world_size()
-    if config.ep_degree is not None:
+    try:  # the EP degree the run will have, as parallelize resolves it with this placement
+        _, ep = dataclasses.replace(config, placement=stored).resolve(world_size(), num_experts)
+    except HybridEPConfigError:  # the placement cannot serve the requested or derived degree
         ep = config.ep_degree
-    elif config.dp_degree is not None:
-        ep = world // config.dp_degree
-    else:
-        ep = rows if world % rows == 0 else None
     if ep != rows:
         logger.warning("the checkpoint's placement is for ep_degree=%d; loading at ep_degree=%s lays the "
                        "experts out contiguously (reshard with --placement to keep a placement)", rows, ep)

@@ -32,7 +32,8 @@ def resolve_backend(name: str, device_type: str = "cpu", *, ep_degree: int = 1, 
     importable (they serve the per-pair layout only).
     """
     if name not in DISPATCHER_BACKENDS:
-        raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: {sorted(BACKENDS)}")
+        raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: "
+                                  f"{list(DISPATCHER_BACKENDS)}")
     if name == "auto":
         return _auto(device_type, ep_degree, nodes, top_k, slots_per_rank)
     if name == "triton":

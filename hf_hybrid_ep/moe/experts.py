@@ -125,7 +125,8 @@ class ExpertCompute:
             module.num_experts = saved_count
 
     def _gather(self, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        """``src[index]`` (zero rows where ``index`` is -1: padding), differentiable; ``inverse`` its inverse."""
+        """``src[index]``, differentiable; ``inverse`` its inverse. Padding (``index`` -1, with ``alignment`` > 1)
+        reads zero rows: only the fused kernels pad (the torch path runs with alignment 1)."""
         if self.fused:
             return self._kernels.fused_gather_rows(src, index, inverse)
         return _PermuteRows.apply(src, index, inverse)

@@ -80,7 +80,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
+from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS, check_int
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
 from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes
@@ -165,11 +165,9 @@ def check_step_inputs(world: int, tokens_per_step: int, micro_batch: int, seq_le
                       efficiency: float, memory_gbps: float, a2a_hidden_fraction: float = 0.0,
                       exchange_overhead_s: float = 0.0) -> None:
     """Raise :class:`HybridEPConfigError` naming the first bad value of a step-time workload."""
-    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("world", world)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HybridEPConfigError(f"{name} must be a positive integer, got {value!r}")
-    if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1:
-        raise HybridEPConfigError(f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("world", world),
+                        ("tokens_per_step", tokens_per_step)):
+        check_int(name, value)
     unit = world * micro_batch * seq_len
     if tokens_per_step % unit:
         raise HybridEPConfigError(
