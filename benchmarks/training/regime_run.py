@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -94,6 +95,7 @@ def run_regime(regime, args) -> None:
             for name in regime.runs:
                 run_logged(specs[name], fabric, ckpt, step, WORLD, workdir, report, started)
     report["elapsed_s"] = time.monotonic() - started
+    report["machine"]["load_avg_at_end"] = os.getloadavg()
     regime_results(report, regime)
     write_json(report, args.json)
     with contextlib.suppress(Exception):

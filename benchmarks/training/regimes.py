@@ -54,8 +54,9 @@ class Regime:
     grad_accum: int
     target_t_over_t_star: float
     target_r_x: float
-    runs: tuple[str, ...] = ("dp4", "hybrid-dp2-ep2", "ep4", "hybrid-dp2-ep2-zero1",
-                             "hybrid-dp2-ep2-fsdp-zero1", "hf-native-fsdp4-ep4", "hf-native-hsdp2x2-ep2")
+    runs: tuple[str, ...] = ("dp4", "hybrid-dp2-ep2", "ep4", "hybrid-dp2-ep2-dedup", "ep4-dedup",
+                             "hybrid-dp2-ep2-zero1", "hybrid-dp2-ep2-fsdp-zero1", "hf-native-fsdp4-ep4",
+                             "hf-native-hsdp2x2-ep2")
 
     @property
     def tokens_per_rank(self) -> int:

@@ -39,7 +39,8 @@ def default_runs(world: int) -> list[RunSpec]:
     """Every dp × ep factorization of ``world`` with this library, DDP, and transformers' native EP layouts.
 
     Adding a variant is one line, e.g.
-    ``RunSpec("hybrid-dp2-ep2-zero1", "hybrid", 2, 2, {"optimizer_sharding": "zero1"})``.
+    ``RunSpec("hybrid-dp2-ep2-zero1", "hybrid", 2, 2, {"optimizer_sharding": "zero1"})``. Arms whose config names
+    no dispatcher run the per-pair exchange (``"torch"``); the ``-dedup`` arms the deduplicated one.
     """
     runs = [RunSpec(f"dp{world}", "hybrid", world, 1),
             RunSpec(f"dp{world}-unlimited", "hybrid", world, 1, mem_limit=False),
@@ -54,8 +55,13 @@ def default_runs(world: int) -> list[RunSpec]:
     # Communication overlap: every hybrid variant also with the blocking reduction, side by side.
     runs += [dataclasses.replace(r, name=f"{r.name}-blocking", config={**r.config, "overlap_grad_reduce": False})
              for r in runs if r.engine == "hybrid"]
-    # The plain all-to-all in every arm, as recorded in the regime tables (auto would pick the hierarchical
-    # dispatcher for pure EP on the two-node fabric; bench_hierarchical compares the two).
+    # The deduplicated exchange (one row per token and destination rank, partial sums back) at the hybrid and the
+    # pure-EP layout, side by side with the same layouts' per-pair exchange.
+    if world % 2 == 0 and world >= 4:
+        runs.append(RunSpec(f"hybrid-dp2-ep{world // 2}-dedup", "hybrid", 2, world // 2, {"dispatcher": "dedup"}))
+    runs.append(RunSpec(f"ep{world}-dedup", "hybrid", 1, world, {"dispatcher": "dedup"}))
+    # Every other arm exchanges one row per (token, expert) pair ("torch"; auto would pick the deduplicated
+    # exchange for these top-k >= 2 models), so that tables recorded at different times compare.
     runs = [dataclasses.replace(r, config={"dispatcher": "torch", **r.config}) if r.engine == "hybrid" else r
             for r in runs]
     runs.append(RunSpec(f"hf-native-fsdp{world}-ep{world}", "hf-native", world, world,
