@@ -17,6 +17,7 @@ module-level function of one of these modules:
 - :mod:`dist_cases.placement`: what each rank holds, placement tables, rebalancing, routing load.
 - :mod:`dist_cases.failures`: misbehaving ranks and impossible layouts, reported on every rank.
 - :mod:`dist_cases.integrations`: the stock Trainer and Accelerate loops.
+- :mod:`dist_cases.lora`: PEFT adapters on dense modules and sharded experts against PEFT in one process.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .integrations import (
     trainer_run,
     trainer_shadow_run,
 )
+from .lora import lora_parity
 from .placement import (
     group_creation_calls,
     mesh_layout,
@@ -105,6 +107,8 @@ __all__ = [
     "trainer_eval",
     "trainer_run",
     "trainer_shadow_run",
+    # lora
+    "lora_parity",
     # placement
     "group_creation_calls",
     "mesh_layout",
