@@ -34,3 +34,52 @@ def test_lora_training_parity(pools, family, world, layout, experts):
 def test_lora_parity_with_per_layer_tables_and_replicas(pools):
     placement = {"model.layers.0.mlp.experts": [[0, 1, 2], [2, 3, 0]], "model.layers.1.mlp.experts": [[3, 0], [1, 2]]}
     parity.assert_faithful(pools(4).run(cases.lora_parity, "qwen3_moe", 2, 2, 4, placement=placement))
+
+
+def test_save_pretrained_is_an_ordinary_peft_adapter_and_merges_under_ep(pools, tmp_path):
+    # Every rank calls save_pretrained; vanilla PeftModel.from_pretrained loads the directory in one process
+    # (PEFT's full-E layout) with the parallelized model's logits. merge_and_unload under EP gives a
+    # parallelized model that saves an expert-sharded hybrid-EP checkpoint, loaded back vanilla and rank-locally.
+    for family in ("qwen3_moe", "gpt_oss"):
+        for r in pools(2).run(cases.lora_save_merge, family, 1, 2, 4, str(tmp_path / family)):
+            assert r["shapes"]["base_model.model.model.layers.0.mlp.experts.lora_A.weight"][0] == 4 * 4, r["shapes"]
+            assert r["shapes"]["base_model.model.model.layers.0.mlp.experts.lora_B.weight"][1] == 4 * 4, r["shapes"]
+            for key in ("saved", "merged", "merged_vanilla_load", "merged_rank_local_load"):
+                assert r[key] <= parity.REL_TOL, (family, key, r[key])
+            assert not r["merged_type"].startswith("Peft")
+
+
+def test_rank_local_loading_of_an_adapter_and_fresh_adapters(pools, tmp_path):
+    # adapter=PATH: each rank's copy has every other rank's expert rows/columns NaN, so correct logits prove it
+    # read only its own. peft_config=...: fresh adapters change nothing yet, their dense adapters agree on every
+    # rank, and the expert adapters are drawn per expert: the same at dp 1 × ep 2 and dp 2 × ep 1.
+    from safetensors.torch import load_file
+
+    for dp, ep in ((1, 2), (2, 1)):
+        for r in pools(2).run(cases.lora_from_pretrained, "qwen3_moe", dp, ep, 4, str(tmp_path / f"{dp}x{ep}")):
+            assert r["adapter"] <= parity.REL_TOL and r["fresh_is_base"] <= parity.REL_TOL, r
+            assert r["trainable_loaded"] == 0 and r["trainable_fresh"] > 0, r
+    a = load_file(tmp_path / "1x2" / "fresh-1x2" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "2x1" / "fresh-2x1" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert any(k.endswith("experts.lora_A.weight") and a[k].abs().sum() > 0 for k in a)
+
+
+@pytest.mark.slow
+def test_trainer_trains_a_peft_model_and_resumes_at_another_ep_degree(pools, tmp_path):
+    # HybridEPTrainer on a parallelized PeftModel equals the stock Trainer on the same PeftModel in one process;
+    # its checkpoints hold only the adapters (PEFT's files) and their optimizer state, and resume at another EP
+    # degree with the losses of the uninterrupted run.
+    import trainer_cases as tc
+
+    want = tc.reference_lora_losses(str(tmp_path / "ref"), 2, cases.lora_config(tc.MODEL_TYPE))
+    pool = pools(2)
+    full = pool.run(cases.trainer_lora_run, 1, 2, str(tmp_path / "run"), 6, 3)
+    for r in full:
+        assert max(abs(a - b) / b for a, b in zip(r["losses"], want, strict=True)) <= parity.REL_TOL, (r, want)
+        assert r["optimizer_names"] and all(".lora_" in n for n in r["optimizer_names"]), r
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+    assert not list(checkpoint.glob("model*.safetensors"))
+    for r in pool.run(cases.trainer_lora_run, 2, 1, str(tmp_path / "resume"), 6, None, str(checkpoint)):
+        assert max(abs(a - b) / b for a, b in zip(r["losses"][-3:], full[0]["losses"][-3:], strict=True)) <= parity.REL_TOL

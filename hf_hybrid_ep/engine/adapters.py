@@ -29,10 +29,12 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def expert_factors(model: nn.Module) -> dict[str, tuple[ShardedExperts, str]]:
-    """Parameter name of every expert adapter factor → its EP layer and kind (``"A"`` / ``"B"``), in the
-    model's parameter order (the same on every rank)."""
-    of = {id(p): (layer, kind) for layer in state_of(model).layers for kind, p in layer.experts.adapter_factors()}
+def expert_factors(model: nn.Module, layers: list[ShardedExperts] | None = None
+                   ) -> dict[str, tuple[ShardedExperts, str]]:
+    """Parameter name of every expert adapter factor → its EP layer (of ``layers``, default the model's) and
+    kind (``"A"`` / ``"B"``), in the model's parameter order (the same on every rank)."""
+    layers = state_of(model).layers if layers is None else layers
+    of = {id(p): (layer, kind) for layer in layers for kind, p in layer.experts.adapter_factors()}
     return {name: of[id(p)] for name, p in model.named_parameters() if id(p) in of}
 
 

@@ -53,7 +53,7 @@ from .integrations import (
     trainer_run,
     trainer_shadow_run,
 )
-from .lora import lora_parity
+from .lora import lora_config, lora_from_pretrained, lora_parity, lora_save_merge, trainer_lora_run
 from .placement import (
     group_creation_calls,
     mesh_layout,
@@ -108,7 +108,11 @@ __all__ = [
     "trainer_run",
     "trainer_shadow_run",
     # lora
+    "lora_config",
+    "lora_from_pretrained",
     "lora_parity",
+    "lora_save_merge",
+    "trainer_lora_run",
     # placement
     "group_creation_calls",
     "mesh_layout",

@@ -106,3 +106,125 @@ def lora_forward(family: str, ep: int, num_experts: int) -> dict:
         base_changed = _rel(adapted, _rank_slice({"x": adapted}, rank)["x"])
     out["base_changed"] = base_changed
     return out
+
+
+def lora_save_merge(family: str, dp: int, ep: int, num_experts: int, root: str) -> dict:
+    """``save_pretrained`` of the parallelized PeftModel, loaded by vanilla ``PeftModel.from_pretrained`` in one
+    process; then ``merge_and_unload`` under EP, written as a hybrid-EP checkpoint and loaded back (vanilla
+    transformers and rank-locally), against PEFT's merge in one process. Logits per rank slice."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid_ep.integrations import save_hybrid_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = lora_pair(family, num_experts)
+    model.eval()
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    torch.manual_seed(0)
+    vanilla = build_tiny_model(family, num_experts=num_experts)  # the base model, as lora_pair built it
+    batch = _global_inputs(vanilla, world, seed=7)
+    local = {"input_ids": _rank_slice(batch, rank)["input_ids"]}
+    model.save_pretrained(f"{root}/adapter")
+    loaded = PeftModel.from_pretrained(vanilla, f"{root}/adapter").eval()
+    with torch.no_grad():
+        out = {"saved": _rel(model(**local).logits, loaded(**local).logits)}
+        with safe_open(f"{root}/adapter/adapter_model.safetensors", "pt") as f:
+            out["shapes"] = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        merged = model.merge_and_unload()
+        merged_ref = loaded.merge_and_unload()
+        want = merged_ref(**local).logits
+        out["merged"] = _rel(merged(**local).logits, want)
+        save_hybrid_checkpoint(merged, f"{root}/merged")
+        out["merged_vanilla_load"] = _rel(AutoModelForCausalLM.from_pretrained(f"{root}/merged")(**local).logits, want)
+        again = hep.from_pretrained(f"{root}/merged", hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+        out["merged_rank_local_load"] = _rel(again(**local).logits, want)
+    out["merged_type"] = type(merged).__name__
+    return out
+
+
+def _sabotaged_adapter(source: str, target: str, local: dict[str, list[int]], num_experts: int) -> None:
+    """A copy of the adapter directory ``source`` in which every expert factor's rows (``lora_A``) and columns
+    (``lora_B``) of experts not in ``local`` (by the experts module's unwrapped name prefix) are NaN."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    Path(target).mkdir(parents=True, exist_ok=True)
+    shutil.copy(f"{source}/adapter_config.json", target)
+    tensors = load_file(f"{source}/adapter_model.safetensors")
+    for key, t in tensors.items():
+        module = next((m for m in local if key.startswith(f"base_model.model.{m}.")), None)
+        if module is None:
+            continue
+        others = [e for e in range(num_experts) if e not in local[module]]
+        for e in others:
+            if ".lora_A." in key:
+                r = t.shape[0] // num_experts
+                t[e * r : (e + 1) * r] = float("nan")
+            else:
+                t[:, e::num_experts] = float("nan")
+    save_file(tensors, f"{target}/adapter_model.safetensors")
+
+
+def lora_from_pretrained(family: str, dp: int, ep: int, num_experts: int, root: str) -> dict:
+    """Rank-local loading with PEFT: ``from_pretrained(base, adapter=dir)`` (each rank given a copy of the adapter
+    whose other ranks' expert factors are NaN) against PEFT in one process; ``from_pretrained(base,
+    peft_config=...)``: fresh adapters that leave the base model's logits unchanged, its dense adapters identical
+    on every rank, saved by every rank and compared by the test across layouts."""
+    from hf_hybrid_ep.engine.replicas import verify_model_replicas
+    from hf_hybrid_ep.moe.discovery import unwrapped_name
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    vanilla = build_tiny_model(family, num_experts=num_experts).eval()  # the base model, as lora_pair builds it
+    model, ref = lora_pair(family, num_experts)
+    ref.eval()
+    if rank == 0:
+        vanilla.save_pretrained(f"{root}/base")
+        ref.save_pretrained(f"{root}/adapter")
+    dist.barrier()
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep)
+    hep.parallelize(model, config)  # only to learn this rank's experts for the sabotaged copy
+    local = {unwrapped_name(layer.name): list(layer.local_experts) for layer in hep.state_of(model).layers}
+    _sabotaged_adapter(f"{root}/adapter", f"{root}/adapter-rank{rank}", local, num_experts)
+    loaded = hep.from_pretrained(f"{root}/base", config, adapter=f"{root}/adapter-rank{rank}")
+    batch = _global_inputs(vanilla, world, seed=9)
+    inputs = {"input_ids": _rank_slice(batch, rank)["input_ids"]}
+    torch.manual_seed(1234)
+    fresh = hep.from_pretrained(f"{root}/base", config, peft_config=lora_config(family))
+    verify_model_replicas(fresh)  # raises when a replicated tensor differs between ranks
+    fresh.save_pretrained(f"{root}/fresh-{dp}x{ep}")
+    with torch.no_grad():
+        return {
+            "adapter": _rel(loaded(**inputs).logits, ref(**inputs).logits),
+            "fresh_is_base": _rel(fresh(**inputs).logits, vanilla(**inputs).logits),
+            "trainable_loaded": sum(p.numel() for p in loaded.parameters() if p.requires_grad),
+            "trainable_fresh": sum(p.numel() for p in fresh.parameters() if p.requires_grad),
+        }
+
+
+def trainer_lora_run(dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
+                     resume_from: str | None = None) -> dict:
+    """The stock Trainer on a parallelized PeftModel (trainer_cases' model, LoRA on attention and experts)."""
+    import trainer_cases as tc
+    from peft import get_peft_model
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    model = hep.parallelize(get_peft_model(tc.model(), lora_config(tc.MODEL_TYPE)),
+                            hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps, save_steps),
+                              train_dataset=tc.dataset())
+    trainer.train(resume_from_checkpoint=resume_from)
+    state = {n.split("::")[0] for n in _optimizer_keys(output_dir, save_steps)} if save_steps else set()
+    return {"losses": tc.losses(trainer), "optimizer_names": sorted(state)}
+
+
+def _optimizer_keys(output_dir: str, save_steps: int) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(f"{output_dir}/checkpoint-{save_steps}/optimizer.safetensors", "pt") as f:
+        return list(f.keys())
