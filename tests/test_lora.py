@@ -83,3 +83,68 @@ def test_trainer_trains_a_peft_model_and_resumes_at_another_ep_degree(pools, tmp
     assert not list(checkpoint.glob("model*.safetensors"))
     for r in pool.run(cases.trainer_lora_run, 2, 1, str(tmp_path / "resume"), 6, None, str(checkpoint)):
         assert max(abs(a - b) / b for a, b in zip(r["losses"][-3:], full[0]["losses"][-3:], strict=True)) <= parity.REL_TOL
+
+
+def _peft_model(**kwargs):
+    import torch
+    from peft import get_peft_model
+    from tiny_models import build_tiny_model
+
+    torch.manual_seed(0)
+    return get_peft_model(build_tiny_model("qwen3_moe", num_experts=4), cases.lora_config("qwen3_moe", **kwargs))
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"rebalance_every": 1}, r"online rebalancing .* not their LoRA adapters"),
+    ({"shadow_experts": True}, r"shadow_experts copies expert weights .* not their LoRA adapters"),
+    ({"dense_sharding": "fsdp"}, r"dense_sharding='fsdp' is not supported for PEFT models"),
+], ids=["rebalancing", "shadowing", "fsdp"])
+def test_settings_the_expert_adapters_cannot_follow_are_refused(setting, message):
+    import hf_hybrid_ep as hep
+
+    model = _peft_model()
+    before = {n: p.shape for n, p in model.named_parameters()}
+    with pytest.raises(hep.HybridEPConfigError, match=message):
+        hep.parallelize(model, hep.HybridEPConfig(**setting))
+    assert {n: p.shape for n, p in model.named_parameters()} == before  # nothing was changed
+
+
+@pytest.mark.parametrize("variant", ["dropout", "dora", "bias", "bias_parameter"])
+def test_expert_adapters_the_engine_cannot_compute_are_refused(variant):
+    # PEFT refuses these on experts itself at get_peft_model; a wrapper changed afterwards is refused by name.
+    import torch
+    from peft import get_peft_model
+    from tiny_models import build_tiny_model
+
+    import hf_hybrid_ep as hep
+
+    if variant == "bias_parameter":
+        torch.manual_seed(0)
+        model = get_peft_model(build_tiny_model("gpt_oss", num_experts=4),
+                               cases.lora_config("gpt_oss", target_parameters=["mlp.experts.gate_up_proj_bias"]))
+        message = r"LoRA on .*layers.0.mlp.experts.*gate_up_proj_bias: only the experts' weight matrices"
+    else:
+        model = _peft_model()
+        wrapper = model.base_model.model.model.layers[0].mlp.experts
+        if variant == "dropout":
+            wrapper.lora_dropout["default"] = torch.nn.Dropout(0.1)
+        elif variant == "dora":
+            wrapper.use_dora["default"] = True
+        else:
+            wrapper.lora_B["default"].bias = torch.nn.Parameter(torch.zeros(64))
+        message = {"dropout": "has lora_dropout", "dora": r"LoRA variant \(DoRA\)", "bias": "has lora_bias"}[variant]
+    with pytest.raises(hep.HybridEPConfigError, match=message):
+        hep.parallelize(model)
+
+
+def test_an_adapter_added_after_parallelize_is_refused_at_its_first_forward():
+    import torch
+
+    import hf_hybrid_ep as hep
+
+    model = _peft_model()
+    hep.parallelize(model)
+    model.add_adapter("late", cases.lora_config("qwen3_moe"))
+    model.set_adapter("late")
+    with pytest.raises(hep.HybridEPConfigError, match="'late' on .* was added after parallelize"):
+        model(input_ids=torch.tensor([[3, 4, 5]]))

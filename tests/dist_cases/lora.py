@@ -29,8 +29,9 @@ EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 def lora_config(family: str, r: int = 4, **kwargs):
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=2 * r, task_type="CAUSAL_LM", target_modules=DENSE_TARGETS.get(family, ["q_proj", "v_proj"]),
-                      target_parameters=EXPERT_TARGETS, **kwargs)
+    kwargs = {"target_modules": DENSE_TARGETS.get(family, ["q_proj", "v_proj"]), "target_parameters": EXPERT_TARGETS,
+              **kwargs}
+    return LoraConfig(r=r, lora_alpha=2 * r, task_type="CAUSAL_LM", **kwargs)
 
 
 def lora_pair(family: str, num_experts: int, r: int = 4, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
