@@ -53,7 +53,14 @@ from .integrations import (
     trainer_run,
     trainer_shadow_run,
 )
-from .lora import lora_config, lora_from_pretrained, lora_parity, lora_save_merge, trainer_lora_run
+from .lora import (
+    lora_config,
+    lora_from_pretrained,
+    lora_pair,
+    lora_parity,
+    lora_save_merge,
+    trainer_lora_run,
+)
 from .placement import (
     group_creation_calls,
     mesh_layout,
@@ -110,6 +117,7 @@ __all__ = [
     # lora
     "lora_config",
     "lora_from_pretrained",
+    "lora_pair",
     "lora_parity",
     "lora_save_merge",
     "trainer_lora_run",
