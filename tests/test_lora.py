@@ -148,3 +148,20 @@ def test_an_adapter_added_after_parallelize_is_refused_at_its_first_forward():
     model.set_adapter("late")
     with pytest.raises(hep.HybridEPConfigError, match="'late' on .* was added after parallelize"):
         model(input_ids=torch.tensor([[3, 4, 5]]))
+
+
+def test_the_peft_section_and_the_flags_make_the_lora_config(tmp_path):
+    from hf_hybrid_ep import HybridEPConfigError
+    from hf_hybrid_ep.integrations import HybridEPPlugin
+
+    path = tmp_path / "ep.yaml"
+    path.write_text("hybrid_ep:\n  ep_degree: 2\n  peft: {r: 8, lora_alpha: 16, target_parameters: []}\n")
+    config = HybridEPPlugin.from_sources(path).lora_config({"r": 4, "lora_alpha": None})
+    assert (config.r, config.lora_alpha, config.task_type) == (4, 16, "CAUSAL_LM")
+    assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"} and not config.target_parameters
+    assert HybridEPPlugin().lora_config({"r": None}) is None  # no LoRA asked for
+    with pytest.raises(HybridEPConfigError, match="lora_rank"):
+        HybridEPPlugin(peft={"lora_rank": 4}).lora_config()
+    path.write_text("hybrid_ep:\n  peft: 8\n")
+    with pytest.raises(HybridEPConfigError, match="key 'peft' must be a mapping"):
+        HybridEPPlugin.from_sources(path)
