@@ -36,6 +36,11 @@ def test_lora_parity_with_per_layer_tables_and_replicas(pools):
     parity.assert_faithful(pools(4).run(cases.lora_parity, "qwen3_moe", 2, 2, 4, placement=placement))
 
 
+def test_lora_parity_with_zero1(pools):
+    # the adapters' optimizer state sharded over the world (dense) and the EDP groups (experts)
+    parity.assert_faithful(pools(4).run(cases.lora_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1"))
+
+
 def test_save_pretrained_is_an_ordinary_peft_adapter_and_merges_under_ep(pools, tmp_path):
     # Every rank calls save_pretrained; vanilla PeftModel.from_pretrained loads the directory in one process
     # (PEFT's full-E layout) with the parallelized model's logits. merge_and_unload under EP gives a
@@ -165,3 +170,30 @@ def test_the_peft_section_and_the_flags_make_the_lora_config(tmp_path):
     path.write_text("hybrid_ep:\n  peft: 8\n")
     with pytest.raises(HybridEPConfigError, match="key 'peft' must be a mapping"):
         HybridEPPlugin.from_sources(path)
+
+
+@pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
+def test_measured_lora_bytes_equal_the_planner(pools, optimizer_sharding):
+    # plan --lora-r: frozen bases hold weights only; gradients and optimizer state (and their ZeRO-1 shards)
+    # are the adapters' — as a parallelized PeftModel measures them after one AdamW step.
+    from hf_hybrid_ep.memory import measure
+
+    for r in pools(4).run(measure, "qwen3_moe", 4, 2, 2, optimizer_sharding, "replicate", lora_r=4):
+        measured = {k: r[k] for k in ("weight_bytes", "grad_bytes", "optimizer_bytes")}
+        assert r["optimizer_state_measured"] and measured == r["planned"], (r["rank"], measured, r["planned"])
+        assert 0 < r["grad_bytes"] < r["weight_bytes"] / 10
+
+
+def test_plan_with_lora_counts_only_the_adapters_as_trained():
+    from hf_hybrid_ep.planning.planner import plan
+
+    full = plan("Qwen/Qwen3-30B-A3B", 16, 80, "gpus_per_node=8")
+    lora = plan("Qwen/Qwen3-30B-A3B", 16, 80, "gpus_per_node=8", lora_r=16)
+    m = lora["model"]
+    assert m["lora_r"] == 16 and m["adapter_dense_params"] > 0 and m["adapter_expert_params"] > 0
+    for a, b in zip(lora["layouts"], full["layouts"], strict=True):
+        experts = m["adapter_expert_params"] // a["ep"]
+        assert a["params_per_gpu"] == b["params_per_gpu"] + m["adapter_dense_params"] + experts
+        assert a["grad_bytes"] == 2 * (m["adapter_dense_params"] + experts)  # bf16 gradients of the adapters only
+        assert a["optimizer_bytes"] == 12 * (m["adapter_dense_params"] + experts)
+        assert a["allreduce_bytes_per_step"] < b["allreduce_bytes_per_step"] / 10

@@ -22,13 +22,10 @@ from typing import Any
 
 from ..config import HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
+from ..moe.lora import DEFAULT_LORA_TARGETS
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
 OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
-# LoRA targets a peft: section or the --lora_* flags do not give: the attention projections (replicated,
-# trained data-parallel) and the routed experts' weight matrices (sharded with their experts).
-DEFAULT_LORA_TARGETS = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-                        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 OPTIMIZER_KEYS = {"lr": "learning_rate", "learning_rate": "learning_rate", "weight_decay": "weight_decay",
                   "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon"}
 

@@ -33,6 +33,10 @@ from .experts import ExpertCompute
 from .layer import ShardedExperts
 
 ADAPTABLE = ("gate_up_proj", "up_proj", "down_proj")  # the experts' weight matrices
+# LoRA targets where a training run or a plan names none: the attention projections (replicated, trained
+# data-parallel) and the routed experts' weight matrices (sharded with their experts).
+DEFAULT_LORA_TARGETS = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 
 
 def is_param_wrapper(module: nn.Module) -> bool:

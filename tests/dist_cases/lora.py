@@ -53,13 +53,14 @@ def lora_pair(family: str, num_experts: int, r: int = 4, **kwargs) -> tuple[torc
 
 
 def lora_parity(family: str, dp: int, ep: int, num_experts: int, steps: int = 3, accum: int = 2,
-                max_norm: float = 0.05, lr: float = 1e-3, placement=None) -> dict:
+                max_norm: float = 0.05, lr: float = 1e-3, placement=None, optimizer_sharding: str = "none") -> dict:
     """AdamW on the adapters (accumulation, clipping), hybrid vs PEFT in one process on the global batch."""
     world = dist.get_world_size()
     model, ref = lora_pair(family, num_experts)
     initial = copy.deepcopy(ref)
     measured_names = parity.zero_initialised(initial)
-    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous"))
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=placement or "contiguous",
+                                              optimizer_sharding=optimizer_sharding))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = hep.make_optimizer(model, torch.optim.AdamW, trainable, lr=lr, eps=ADAM_EPS)
     implementation = {k: v for k, v in opt.defaults.items() if k in ("fused", "foreach") and v}
