@@ -41,6 +41,14 @@ def test_lora_parity_with_zero1(pools):
     parity.assert_faithful(pools(4).run(cases.lora_parity, "gpt_oss", 2, 2, 4, optimizer_sharding="zero1"))
 
 
+def test_disabled_and_switched_adapters_follow_peft(pools):
+    # disable_adapter() (DPO's and GRPO's reference forward) and a second adapter on the same targets made
+    # active by set_adapter (TRL's "ref" adapter), against PEFT in one process.
+    for r in pools(2).run(cases.lora_forward, "gpt_oss", 2, 4):
+        assert max(r["default"], r["disabled"], r["second"]) <= parity.REL_TOL, r
+        assert r["second_differs"] > 1e-3, r  # the second adapter really changes the output
+
+
 def test_save_pretrained_is_an_ordinary_peft_adapter_and_merges_under_ep(pools, tmp_path):
     # Every rank calls save_pretrained; vanilla PeftModel.from_pretrained loads the directory in one process
     # (PEFT's full-E layout) with the parallelized model's logits. merge_and_unload under EP gives a

@@ -188,9 +188,21 @@ class LoRAExpertCompute(ExpertCompute):
                 raise HybridEPConfigError(
                     f"adapter {adapter!r} on {wrapper.parameter_name} was added after parallelize; add every "
                     "adapter to the model before hf_hybrid_ep.parallelize")
-            low = _grouped_linear(x, a.to(dtype), offsets)
-            out = out + _grouped_linear(low, b.to(dtype), offsets) * wrapper.scaling[adapter]
+            a, b = _aligned_rank(a.to(dtype), b.to(dtype))
+            low = _grouped_linear(x, a, offsets)
+            out = out + _grouped_linear(low, b, offsets) * wrapper.scaling[adapter]
         return out
+
+
+def _aligned_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors ``A [S, r, in]`` / ``B [S, out, r]`` with the rank zero-padded to a multiple of 16 bytes, as
+    ``torch._grouped_mm`` requires of every stride (``r = 2`` in fp32 would be refused); the padding adds exact
+    zeros, and gradients reach the unpadded factors only."""
+    pad = -a.shape[1] % (16 // a.element_size())
+    if pad:
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+        b = torch.nn.functional.pad(b, (0, pad))
+    return a, b
 
 
 def attach_expert_adapters(layer: ShardedExperts, wrappers: dict[str, nn.Module]) -> None:

@@ -55,6 +55,7 @@ from .integrations import (
 )
 from .lora import (
     lora_config,
+    lora_forward,
     lora_from_pretrained,
     lora_pair,
     lora_parity,
@@ -116,6 +117,7 @@ __all__ = [
     "trainer_shadow_run",
     # lora
     "lora_config",
+    "lora_forward",
     "lora_from_pretrained",
     "lora_pair",
     "lora_parity",

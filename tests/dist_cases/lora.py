@@ -92,21 +92,33 @@ def lora_parity(family: str, dp: int, ep: int, num_experts: int, steps: int = 3,
 
 
 def lora_forward(family: str, ep: int, num_experts: int) -> dict:
-    """Logits of the parallelized PeftModel vs PEFT in one process, with adapters on, disabled and merged."""
+    """Logits of the parallelized PeftModel against PEFT in one process: with the adapter, under
+    ``disable_adapter()``, and with a second adapter on the same targets made active by ``set_adapter``."""
+    from peft import get_peft_model
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = lora_pair(family, num_experts)
-    model.eval()
-    ref.eval()
-    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
-    batch = _global_inputs(ref.get_base_model(), world, seed=5)
-    mine = _rank_slice(batch, rank)
+    torch.manual_seed(0)
+    base = build_tiny_model(family, num_experts=num_experts)
+    model = get_peft_model(base, lora_config(family))
+    model.add_adapter("second", lora_config(family, r=2))
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        out = {"on": _rel(model(**mine).logits, _rank_slice({"x": ref(**batch).logits}, rank)["x"])}
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ref = copy.deepcopy(model)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep))
+    inputs = {"input_ids": _rank_slice(_global_inputs(base, world, seed=5), rank)["input_ids"]}
+    out = {}
+    with torch.no_grad():
+        out["default"] = _rel(model(**inputs).logits, ref(**inputs).logits)
         with model.disable_adapter(), ref.disable_adapter():
-            out["disabled"] = _rel(model(**mine).logits, _rank_slice({"x": ref(**batch).logits}, rank)["x"])
-        adapted = ref(**batch).logits
-        base_changed = _rel(adapted, _rank_slice({"x": adapted}, rank)["x"])
-    out["base_changed"] = base_changed
+            out["disabled"] = _rel(model(**inputs).logits, ref(**inputs).logits)
+        adapted = ref(**inputs).logits
+        for m in (model, ref):
+            m.set_adapter("second")
+        out["second"] = _rel(model(**inputs).logits, ref(**inputs).logits)
+        out["second_differs"] = _rel(ref(**inputs).logits, adapted)
     return out
 
 
