@@ -205,3 +205,13 @@ def test_plan_with_lora_counts_only_the_adapters_as_trained():
         assert a["grad_bytes"] == 2 * (m["adapter_dense_params"] + experts)  # bf16 gradients of the adapters only
         assert a["optimizer_bytes"] == 12 * (m["adapter_dense_params"] + experts)
         assert a["allreduce_bytes_per_step"] < b["allreduce_bytes_per_step"] / 10
+
+
+def test_the_lora_benchmark_compares_equal_outputs_and_gradients():
+    # bench_lora --block's path (one round at the training benchmark's shape), so it cannot rot: our block and
+    # PEFT's give the same output and adapter gradients before anything is timed.
+    from benchmarks.bench_lora import block_benchmark
+
+    report = block_benchmark(r=4, rounds=1, iters=1)
+    assert report["output_rel"] <= parity.REL_TOL and report["max_grad_rel"] <= parity.REL_TOL, report
+    assert set(report["ms"]) == {"peft", "hybrid_ep", "no_adapter"}
