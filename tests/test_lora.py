@@ -59,7 +59,7 @@ def test_save_pretrained_is_an_ordinary_peft_adapter_and_merges_under_ep(pools, 
             assert r["shapes"]["base_model.model.model.layers.0.mlp.experts.lora_B.weight"][1] == 4 * 4, r["shapes"]
             for key in ("saved", "merged", "merged_vanilla_load", "merged_rank_local_load"):
                 assert r[key] <= parity.REL_TOL, (family, key, r[key])
-            assert not r["merged_type"].startswith("Peft")
+            assert not r["merged_type"].startswith("Peft") and r["full_state_dict_equal"]
 
 
 def test_rank_local_loading_of_an_adapter_and_fresh_adapters(pools, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engine.adapters import expert_factors
+from ..engine.model_io import expert_factors
 from ..errors import CheckpointError, HybridEPConfigError
 from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts

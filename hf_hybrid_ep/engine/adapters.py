@@ -14,9 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..moe.layer import ShardedExperts
-from ..moe.lora import peft_from_slots
 from ..parallel.heartbeat import Heartbeat
+from .model_io import expert_factors, host_tensors
 from .state import state_of
 
 
@@ -29,28 +28,12 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def expert_factors(model: nn.Module, layers: list[ShardedExperts] | None = None
-                   ) -> dict[str, tuple[ShardedExperts, str]]:
-    """Parameter name of every expert adapter factor → its EP layer (of ``layers``, default the model's) and
-    kind (``"A"`` / ``"B"``), in the model's parameter order (the same on every rank)."""
-    layers = state_of(model).layers if layers is None else layers
-    of = {id(p): (layer, kind) for layer in layers for kind, p in layer.experts.adapter_factors()}
-    return {name: of[id(p)] for name, p in model.named_parameters() if id(p) in of}
-
-
-@torch.no_grad()
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every expert adapter factor in PEFT's layout over all experts, on rank 0 in
     host memory (gathered over rank 0's EP group, one factor at a time); the other entries, and every entry on
     the other ranks, reference the rank's own tensors. Collective: call on every rank."""
-    mesh = state_of(model).mesh
     out = dict(model.state_dict())
-    for name, (layer, kind) in expert_factors(model).items():
-        if mesh.edp_rank != 0:
-            continue  # only rank 0's EP group gathers
-        full = layer.gather_to_host(out[name], keep=mesh.rank == 0)
-        if full is not None:
-            out[name] = peft_from_slots(full, kind)
+    out.update(host_tensors(model, {name: out[name] for name in expert_factors(model)}, rank0_only=True))
     return out
 
 

@@ -144,8 +144,11 @@ def lora_save_merge(family: str, dp: int, ep: int, num_experts: int, root: str) 
     loaded = PeftModel.from_pretrained(vanilla, f"{root}/adapter").eval()
     with torch.no_grad():
         out = {"saved": _rel(model(**local).logits, loaded(**local).logits)}
+        full = hep.full_state_dict(model)  # every expert's factors in PEFT's layout, as the file holds them
         with safe_open(f"{root}/adapter/adapter_model.safetensors", "pt") as f:
             out["shapes"] = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            out["full_state_dict_equal"] = all(
+                torch.equal(full[k.replace(".weight", ".default.weight")], f.get_tensor(k)) for k in f.keys())
         merged = model.merge_and_unload()
         merged_ref = loaded.merge_and_unload()
         want = merged_ref(**local).logits
