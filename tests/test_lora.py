@@ -78,6 +78,32 @@ def test_rank_local_loading_of_an_adapter_and_fresh_adapters(pools, tmp_path):
     assert any(k.endswith("experts.lora_A.weight") and a[k].abs().sum() > 0 for k in a)
 
 
+def test_an_adapter_from_the_hub_loads_rank_locally(pools, tmp_path):
+    # real HTTP to the loopback Hub stub: the adapter's two files fetched by every rank, logits as PEFT's
+    import torch
+    from hub_stub import HubStub
+    from tiny_models import build_tiny_model
+
+    torch.manual_seed(0)
+    build_tiny_model("qwen3_moe", num_experts=4).save_pretrained(tmp_path / "base")
+    _, ref = cases.lora_pair("qwen3_moe", 4)
+    ref.save_pretrained(tmp_path / "adapter")
+    hub = HubStub()
+    try:
+        hub.served["org/tiny-lora"] = {p.name: p.read_bytes() for p in (tmp_path / "adapter").iterdir()}
+        results = pools(2).run(cases.lora_hub_adapter, hub.url, "org/tiny-lora", str(tmp_path / "cache"),
+                               str(tmp_path / "base"), 2)
+    finally:
+        hub.close()
+    assert all(r["logits_rel"] <= parity.REL_TOL for r in results), results
+    assert sorted(set(hub.requested)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_the_trainer_refuses_lora_on_the_experts_alone(pools, tmp_path):
+    for r in pools(2).run(cases.trainer_refuses_expert_only_lora, str(tmp_path)):
+        assert "nothing dense is trained" in r["message"] and "target_modules" in r["message"], r
+
+
 @pytest.mark.slow
 def test_trainer_trains_a_peft_model_and_resumes_at_another_ep_degree(pools, tmp_path):
     # HybridEPTrainer on a parallelized PeftModel equals the stock Trainer on the same PeftModel in one process;

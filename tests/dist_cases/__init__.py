@@ -57,10 +57,12 @@ from .lora import (
     lora_config,
     lora_forward,
     lora_from_pretrained,
+    lora_hub_adapter,
     lora_pair,
     lora_parity,
     lora_save_merge,
     trainer_lora_run,
+    trainer_refuses_expert_only_lora,
 )
 from .placement import (
     group_creation_calls,
@@ -119,10 +121,12 @@ __all__ = [
     "lora_config",
     "lora_forward",
     "lora_from_pretrained",
+    "lora_hub_adapter",
     "lora_pair",
     "lora_parity",
     "lora_save_merge",
     "trainer_lora_run",
+    "trainer_refuses_expert_only_lora",
     # placement
     "group_creation_calls",
     "mesh_layout",

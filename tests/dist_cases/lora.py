@@ -245,3 +245,37 @@ def _optimizer_keys(output_dir: str, save_steps: int) -> list[str]:
 
     with safe_open(f"{output_dir}/checkpoint-{save_steps}/optimizer.safetensors", "pt") as f:
         return list(f.keys())
+
+
+def lora_hub_adapter(endpoint: str, repo_id: str, cache_base: str, base_dir: str, ep: int) -> dict:
+    """``from_pretrained(base, adapter=<Hub repo id>)`` through the loopback Hub stub (real HTTP), against PEFT in
+    one process (the adapter is ``lora_pair``'s, served by the stub)."""
+    from huggingface_hub import constants
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    constants.ENDPOINT = endpoint  # this worker's Hub client → the stub (the env twins are read at import time)
+    constants.HUGGINGFACE_CO_URL_TEMPLATE = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    constants.HF_HUB_DISABLE_XET = True
+    constants.HF_HUB_CACHE = f"{cache_base}/rank{rank}"
+    _, ref = lora_pair("qwen3_moe", 4)
+    ref.eval()
+    model = hep.from_pretrained(base_dir, hep.HybridEPConfig(ep_degree=ep), adapter=repo_id)
+    inputs = {"input_ids": _rank_slice(_global_inputs(ref.get_base_model(), world, seed=3), rank)["input_ids"]}
+    with torch.no_grad():
+        return {"logits_rel": _rel(model(**inputs).logits, ref(**inputs).logits)}
+
+
+def trainer_refuses_expert_only_lora(output_dir: str) -> dict:
+    """The Trainer's DDP needs a trainable dense parameter: LoRA on the experts alone is refused, naming why."""
+    import trainer_cases as tc
+    from peft import get_peft_model
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    model = hep.parallelize(get_peft_model(tc.model(), lora_config(tc.MODEL_TYPE, target_modules=[])),
+                            hep.HybridEPConfig(ep_degree=2))
+    try:
+        HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, 1), train_dataset=tc.dataset())
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err)}
+    return {"message": ""}
