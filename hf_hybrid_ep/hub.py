@@ -69,7 +69,10 @@ def render_adapter_card(adapter_dir: str | os.PathLike[str], repo_id: str):
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{str(path)!r} is not a PEFT adapter config: {err}") from err
-    base_model = config.get("base_model_name_or_path") or None
+    named = config.get("base_model_name_or_path") or ""
+    local = os.path.isabs(named) or Path(named).exists() or named.count("/") > 1
+    base_model = None if local or not named else named  # a Hub repo id; never a local path on the Hub
+    shown = base_model or (f"a local checkpoint ({Path(named).name})" if named else "a local checkpoint")
 
     def targets(key: str) -> str:
         value = config.get(key) or []
@@ -79,7 +82,7 @@ def render_adapter_card(adapter_dir: str | os.PathLike[str], repo_id: str):
                          tags=["lora", "moe", "hybrid-ep", "expert-parallel", "safetensors"])
     return ModelCard.from_template(
         data, template_path=str(ADAPTER_TEMPLATE), model_name=repo_id.split("/")[-1],
-        base_model=base_model or "a local checkpoint", rank=config.get("r"), alpha=config.get("lora_alpha"),
+        base_model=shown, rank=config.get("r"), alpha=config.get("lora_alpha"),
         target_modules=targets("target_modules") or "none", target_parameters=targets("target_parameters") or "none",
         repo_id=repo_id,
     )
