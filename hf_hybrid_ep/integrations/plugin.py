@@ -10,6 +10,7 @@ precedence flags > environment > file. The file accepts::
       microbatch_size: 8            # -> TrainingArguments.per_device_train_batch_size
       gradient_accumulation: 4      # -> TrainingArguments.gradient_accumulation_steps
       optimizer: {type: AdamW, lr: 6.0e-5, weight_decay: 0.01}   # -> optim, learning_rate, weight_decay
+      peft: {r: 16, lora_alpha: 32}   # LoRA (peft.LoraConfig fields); targets default to attention and experts
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..config import HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
+from ..moe.lora import DEFAULT_LORA_TARGETS
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
 OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
@@ -35,6 +37,13 @@ def check_optimizer_block(optimizer: Any, where: str) -> None:
                                   f"{{type: AdamW, lr: 6.0e-5, weight_decay: 0.01}}, got {optimizer!r}")
 
 
+def check_peft_block(peft: Any, where: str) -> None:
+    """Refuse a ``peft`` setting that is not a mapping, naming where it came from."""
+    if peft is not None and not isinstance(peft, Mapping):
+        raise HybridEPConfigError(f"{where}: key 'peft' must be a mapping of peft.LoraConfig fields such as "
+                                  f"{{r: 16, lora_alpha: 32}}, got {peft!r}")
+
+
 @dataclass
 class HybridEPPlugin:
     """The hybrid-EP part of a training run: the engine config plus the training settings it carries."""
@@ -43,6 +52,7 @@ class HybridEPPlugin:
     microbatch_size: int | None = None
     gradient_accumulation: int | None = None
     optimizer: dict[str, Any] | None = None
+    peft: dict[str, Any] | None = None
 
     @classmethod
     def from_sources(
@@ -53,17 +63,38 @@ class HybridEPPlugin:
         if file is not None:
             loaded = read_yaml_mapping(file, "hybrid-EP config file")
             check_optimizer_block(loaded.get("optimizer"), f"hybrid-EP config file {str(file)!r}")
+            check_peft_block(loaded.get("peft"), f"hybrid-EP config file {str(file)!r}")
             data.update(loaded)
         data.update(env_values())
         data.update({k: v for k, v in (flags or {}).items() if v is not None})
         engine_fields = set(config_fields())
-        known = engine_fields | set(TRAINING_KEYS) | {"optimizer"}
+        known = engine_fields | set(TRAINING_KEYS) | {"optimizer", "peft"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise HybridEPConfigError(f"unknown hybrid-EP setting(s) {unknown}; known: {sorted(known)}")
         engine = {k: v for k, v in data.items() if k in engine_fields}
         config = HybridEPConfig(**engine, _env_applied=True)
-        return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"))
+        return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"),
+                   data.get("peft"))
+
+    def lora_config(self, overrides: Mapping[str, Any] | None = None):
+        """The ``peft.LoraConfig`` (causal LM) of the ``peft:`` section updated by ``overrides`` (``None`` values
+        are "not given"), each target list :data:`DEFAULT_LORA_TARGETS`' unless given (an empty list: none);
+        ``None`` when neither sets anything.
+
+        Raises:
+            HybridEPConfigError: naming a field ``peft.LoraConfig`` does not have.
+        """
+        fields = {**(self.peft or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+        if not fields:
+            return None
+        from peft import LoraConfig
+
+        fields = {**DEFAULT_LORA_TARGETS, **fields}
+        try:
+            return LoraConfig(task_type="CAUSAL_LM", **fields)
+        except TypeError as err:
+            raise HybridEPConfigError(f"peft settings {sorted(fields)}: {err}") from err
 
     def training_overrides(self) -> dict[str, Any]:
         """The ``TrainingArguments`` fields this plugin sets."""

@@ -183,7 +183,17 @@ class ShardedExperts:
         return full
 
     def expert_parameters(self) -> list[nn.Parameter]:
+        """The experts module's per-expert parameters (``[S, ...]``, this rank's slots)."""
         return [getattr(self.module, pname) for pname in self.param_names]
+
+    def slot_parameters(self) -> list[nn.Parameter]:
+        """Every parameter held per local slot: the expert parameters and their adapters' factors (reduced
+        over the ranks holding each expert, counted once in the norm, saved by global expert id)."""
+        return self.expert_parameters() + self.experts.adapter_parameters()
+
+    def use_compute(self, compute: ExpertCompute) -> None:
+        """Compute the received rows with ``compute`` from now on (an adapter's :class:`ExpertCompute`)."""
+        self.experts = compute
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` outputs of this layer's experts for ``hidden_states [T, H]`` routed by ``top_k_index`` /

@@ -83,7 +83,7 @@ from typing import Any
 from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS, check_int
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
-from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes
+from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes, trained_params
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak, FLOP/s (H100 SXM)
 H100_MEMORY_GBPS = 3350.0  # HBM3, GB/s (H100 SXM)
@@ -260,6 +260,9 @@ def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_ch
     qk = counts.qk_dim or counts.hidden
     v = counts.v_dim or counts.hidden
     matmul = 6.0 * active
+    if counts.lora_r:  # frozen bases: no weight gradients (backward = activation gradients); adapters trained
+        matmul = 4.0 * active + 6.0 * (counts.adapter_dense_params
+                                       + counts.adapter_expert_params * counts.top_k / counts.num_experts)
     attention = 6.0 * layers * seq_len * (qk + v)
     recompute = (matmul + attention) / 3 if activation_checkpointing else 0.0
     forward_s = tokens * (matmul + attention) / 3 / rate
@@ -314,8 +317,9 @@ def _reduction_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_g:
     world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
     dense_factor = 0.5 if optimizer_sharding == "zero1" or dense_sharding == "fsdp" else 1.0
     expert_factor = 0.5 if optimizer_sharding == "zero1" else 1.0
-    dense_grad = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_g), dense_factor)
-    expert_grad = _scaled(_allreduce_split(topo, edp_ranks, counts.expert_params / ep * b_g), expert_factor)
+    dense, expert = trained_params(counts)
+    dense_grad = _scaled(_allreduce_split(topo, world_ranks, dense * b_g), dense_factor)
+    expert_grad = _scaled(_allreduce_split(topo, edp_ranks, expert / ep * b_g), expert_factor)
     reduce_by_level = _seconds({lv: dense_grad[lv] + expert_grad[lv] for lv in LINK_LEVELS}, topo)
     reduce_s = sum(reduce_by_level.values())
     reduce_hidden = min(reduce_s, window)
@@ -329,10 +333,11 @@ def _gather_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_w: in
     """ZeRO-1's parameter all-gather after the step; FSDP2's weight gathers every micro-batch."""
     world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
     zero_dense, zero_expert = _levels(), _levels()
+    dense, expert = trained_params(counts)
     if optimizer_sharding == "zero1":
         if dense_sharding == "replicate":
-            zero_dense = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_w), 0.5)
-        zero_expert = _scaled(_allreduce_split(topo, edp_ranks, counts.expert_params / ep * b_w), 0.5)
+            zero_dense = _scaled(_allreduce_split(topo, world_ranks, dense * b_w), 0.5)
+        zero_expert = _scaled(_allreduce_split(topo, edp_ranks, expert / ep * b_w), 0.5)
     zero_s = sum(_seconds({lv: zero_dense[lv] + zero_expert[lv] for lv in LINK_LEVELS}, topo).values())
     fsdp = _levels()
     if dense_sharding == "fsdp":
