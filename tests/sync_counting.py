@@ -127,7 +127,7 @@ class SyncCounter(TorchDispatchMode):
 
 def layer_costs(dispatcher: str = "torch", dp: int = 1, overlap_degree: int = 1, topology: str | None = None) -> dict:
     """One MoE layer's forward and backward on world ``W`` (ep = W / dp): collectives per group (the
-    hierarchical dispatcher's sub-groups labelled ``inter`` / ``intra``) and host syncs of each pass. Runs on
+    deduplicated dispatcher's sub-groups labelled ``inter`` / ``intra``) and host syncs of each pass. Runs on
     every rank of a worker pool."""
     import os
 

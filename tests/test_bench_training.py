@@ -4,6 +4,7 @@ loopback, host namespace, no root needed), each rank started as the benchmark's 
 
 from __future__ import annotations
 
+from benchmarks.bench_dedup import row_bytes
 from benchmarks.training.fabric import FlatFabric
 from benchmarks.training.goals import check_param_formula
 from benchmarks.training.launch import run_layout
@@ -62,8 +63,14 @@ def test_bench_training_deduplicated_run_counts_what_trace_traffic_predicts(tmp_
     rows = phases["dispatch_inter"]["remote_rows_sent"]
     assert rows == phases["combine_inter_backward"]["remote_rows_sent"] > 0
     # exact without replicas (per-step figures: each rank's total over the steps, integer-divided)
-    assert abs(rows - rec["routing"]["predicted_cross_node_rows_per_step"]) <= 1
-    assert phases["dispatch"]["remote_rows_sent"] == 0  # one rank per node: stage B stays on the rank
-    # the collective meter (split sizes of every exchange, packed rows included) agrees with the dispatcher
-    assert abs(rec["a2a_bytes_per_step"] * 2 - sum(p["remote_bytes_sent"] for p in phases.values())) <= 64
+    predicted = rec["routing"]["predicted_rows_per_step"]
+    assert abs(rows - predicted["cross_node"]) <= 1
+    # one rank per node: stage B stays on the rank; the per-pair exchange would send more rows
+    assert phases["dispatch"]["remote_rows_sent"] == predicted["rank_rows"] == 0
+    assert predicted["pairs_remote"] > predicted["cross_node"]
+    # the collective meter (split sizes of every exchange, packed rows included) agrees with the dispatcher,
+    # and with bench_dedup's bytes per row (activations, routing weights, keys and their gradients)
+    sent = sum(p["remote_bytes_sent"] for p in phases.values())
+    assert abs(rec["a2a_bytes_per_step"] * 2 - sent) <= 64
+    assert abs(sent - rows * row_bytes(64, 4, dedup=True)) <= 64
     assert (saved / "config.json").exists() and list(saved.glob("*.safetensors"))

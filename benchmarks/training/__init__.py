@@ -1,4 +1,4 @@
-"""The training-throughput harness behind ``python -m benchmarks.bench_training`` (and ``bench_hierarchical``),
+"""The training-throughput harness behind ``python -m benchmarks.bench_training`` (and ``bench_dedup``),
 by job:
 
 * ``runs``: what is trained: layouts (``RunSpec``, ``default_runs``), the model (``ModelArgs``), step settings;

@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 from .fabric import Fabric
+from .meters import PREDICTED_ROWS
 from .runs import RunSpec, StepArgs
 
 # fields of a measured run that a failed one records as None
@@ -35,8 +36,8 @@ def merge(spec: RunSpec, fabric: Fabric, ranks: list[dict], step: StepArgs) -> d
                                             for p in phases[0]}
     if all("routing" in r for r in ranks):
         steps = len(ranks[0]["step_times"])
-        rec["routing"] = {"predicted_cross_node_rows_per_step": sum(r["routing"]["predicted_cross_node_rows"]
-                                                                    for r in ranks) / steps,
+        rec["routing"] = {"predicted_rows_per_step": {key: sum(r["routing"]["predicted_rows"][key] for r in ranks) / steps
+                                                      for key in PREDICTED_ROWS},
                           "trace_files": [r["routing"]["trace_file"] for r in ranks],
                           "tables": ranks[0]["routing"]["tables"]}
     return rec

@@ -210,6 +210,10 @@ def comm_profile(prof) -> dict[str, Any]:
             "comm_seconds_by_op": dict(by_op), "profile_top_ops": [[k, round(v, 4)] for k, v in top]}
 
 
+# the row counts of ``trace_traffic`` a recorded run's routing is checked against
+PREDICTED_ROWS = ("cross_node", "rank_rows", "pairs_remote")
+
+
 class RoutingRecorder:
     """Top-k indices of every MoE layer while ``on`` (after capacity drops: what the dispatcher routes)."""
 
@@ -228,7 +232,9 @@ class RoutingRecorder:
             layer.load.count = count
 
     def finish(self, path: Path, ranks_per_node: int) -> dict[str, Any]:
-        """Save the traces; return the predicted cross-node node rows (one direction) and the tables."""
+        """Save the traces; return the rows ``trace_traffic`` predicts this rank sends for them (one direction,
+        summed over layers): ``cross_node`` (deduplicated node rows), ``rank_rows`` (deduplicated rank rows inside
+        the nodes), ``pairs_remote`` (per-pair rows to other ranks); and the tables."""
         import numpy as np
         import torch
 
@@ -239,8 +245,10 @@ class RoutingRecorder:
         arrays = {name: torch.cat(parts).numpy() for name, parts in self.traces.items()}
         np.savez_compressed(path, **arrays)
         tables = {layer.name: layer.table for layer in self.state.layers}
-        predicted = sum(trace_traffic([a], tables[name], topology, sources=[mesh.ep_rank])["cross_node"]
-                        for name, a in arrays.items())
-        return {"trace_file": str(path), "predicted_cross_node_rows": predicted,
-                "tokens": sum(len(a) for a in arrays.values()),
+        predicted = dict.fromkeys(PREDICTED_ROWS, 0.0)
+        for name, a in arrays.items():
+            traffic = trace_traffic([a], tables[name], topology, sources=[mesh.ep_rank])
+            for key in PREDICTED_ROWS:
+                predicted[key] += traffic[key]
+        return {"trace_file": str(path), "predicted_rows": predicted, "tokens": sum(len(a) for a in arrays.values()),
                 "tables": {name: [list(r) for r in t.rows] for name, t in tables.items()}}

@@ -110,7 +110,7 @@ class StepArgs:
     # token ids to train on: an ``.npz`` whose ``blocks`` is ``[N, seq_len]`` (default: uniform random ids)
     data: str | None = None
     # hybrid runs: record every timed step's top-k indices per layer (``routing_rank{r}.npz`` in the run's
-    # directory) and the node-deduplicated cross-node rows ``trace_traffic`` predicts for them
+    # directory) and the rows ``trace_traffic`` predicts for them (``meters.PREDICTED_ROWS``)
     record_routing: bool = False
     # save the trained model here (a plain transformers checkpoint) after the timed steps
     save_to: str | None = None

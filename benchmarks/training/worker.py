@@ -275,7 +275,7 @@ def _engine_counters(model, steps: int) -> dict[str, Any]:
         "allreduce_expert_bytes_per_step": red["expert_bytes"] // steps,
         "ready_to_end_s_per_step": red["ready_to_end_s"] / steps,
         "buckets_launched_in_backward_per_step": red["buckets_launched_in_backward"] / steps,
-        # every phase of the token exchange (the hierarchical dispatcher's cross-node stage is "*_inter")
+        # every phase of the token exchange (the deduplicated dispatcher's cross-node stage is "*_inter")
         "phases_per_step": {p: {key: sum(v[p][key] for v in layers)
                                 // steps for key in ("remote_rows_sent", "remote_bytes_sent")}
                             for p in PHASES},
