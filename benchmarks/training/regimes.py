@@ -224,9 +224,12 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
         st = predict(r, counts, regime, calibration, report["fabrics"][r["fabric"]], report["regime"]["memory_gbps"])
         if st is not None:
             predictions[r["key"]] = prediction_record(st, calibration_run=r is cal_run)
-    hybrid, pure = predictions.get("two-node/hybrid-dp2-ep2"), predictions.get("two-node/ep4")
-    return {"calibration": calibration, "achieved": achieved, "predictions": predictions,
-            "predicted_hybrid_vs_pure_ep": hybrid["samples_per_s"] / pure["samples_per_s"] if hybrid and pure else None,
+    ratios = {}
+    for suffix in ("", "-dedup"):  # per-pair arms, deduplicated arms
+        hybrid, pure = predictions.get(f"two-node/hybrid-dp2-ep2{suffix}"), predictions.get(f"two-node/ep4{suffix}")
+        ratios[f"predicted_hybrid_vs_pure_ep{suffix.replace('-', '_')}"] = (
+            hybrid["samples_per_s"] / pure["samples_per_s"] if hybrid and pure else None)
+    return {"calibration": calibration, "achieved": achieved, "predictions": predictions, **ratios,
             "validation": validate(runs, predictions)}
 
 
@@ -234,35 +237,53 @@ def prediction_record(st, calibration_run: bool) -> dict[str, Any]:
     keys = ("step_s", "samples_per_s", "compute_s", "a2a_s", "a2a_exposed_s", "grad_reduce_s", "grad_reduce_exposed_s",
             "zero1_gather_s", "fsdp_gather_s", "optimizer_s", "exposed_comm_s")
     out = {k: v for k, v in asdict(st).items() if k in keys}
-    out["calibration"] = calibration_run
+    # the exchange modelled (the run config's dispatcher) and its bytes per rank and step, all link levels
+    out |= {"dispatcher": st.dispatcher, "a2a_bytes": sum(st.a2a_bytes.values()), "calibration": calibration_run}
     return out
 
 
+def _mib(b: float | None) -> str:
+    return "–" if b is None else f"{b / MIB:.1f}"
+
+
+def _run_row(r: dict[str, Any]) -> str:
+    """One two-node run's row of :func:`markdown`."""
+    if not r["feasible"]:
+        return (f"| {r['name']} | {r['dp']}×{r['ep']} | **{r['status']}** | – | – | "
+                f"{_mib(r.get('peak_rss_bytes_per_rank'))} | – | – | – |")
+    p = r.get("predicted")
+    pred = "outside the model" if p is None else (
+        f"{p['samples_per_s']:.2f} ({100 * (p['samples_per_s'] / r['samples_per_s'] - 1):+.0f}%)")
+    token = _mib(r["a2a_bytes_per_step"]) + ("" if p is None or "a2a_bytes" not in p else f" ({_mib(p['a2a_bytes'])})")
+    state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
+    return (f"| {r['name']} | {r['dp']}×{r['ep']} | {r['samples_per_s']:.2f} | {pred} | {_mib(state)} | "
+            f"{_mib(r['peak_rss_bytes_per_rank'])} | {token} | {_mib(r['inter_node_bytes_per_step'])} | "
+            f"{r['exposed_comm_s_per_step']:.2f} ({r['exposed_comm_fraction']:.2f}) |")
+
+
 def markdown(report: dict[str, Any]) -> str:
-    """The regime's table (two-node runs) with predictions, for docs/benchmarks.md."""
+    """The regime's table (two-node runs) with predictions, and the per-pair against the deduplicated exchange
+    per layout, for docs/benchmarks.md."""
     reg = report["regime"]
-    mib = lambda b: "–" if b is None else f"{b / MIB:.1f}"  # noqa: E731
     lines = [f"**{reg['name']}** — {reg['reference']}. Link {reg['link_gbit_chosen']:.3f} Gbit/s (measured "
              f"{report['fabrics']['two-node']['measured_gbit']:.3f}); T/T* {reg['achieved']['T_over_T_star']:.2f} "
              f"(target {reg['targets']['T_over_T_star']}), r_x {reg['achieved'].get('r_x', float('nan')):.3f} "
              f"(target {reg['targets']['r_x']}); memory budget {reg['memory_budget']['budget_bytes'] / MIB:.0f} MiB "
              f"per rank; {report['elapsed_s'] / 60:.1f} min.", "",
              "| run | dp×ep | samples/s | predicted (error) | param+grad+opt MiB/rank | peak RSS MiB/rank | "
-             "cross-node MiB/step | exposed comm s/step (fraction) |", "|---|---|---|---|---|---|---|---|"]
-    for r in report["runs"]:
-        if r["fabric"] != "two-node":
-            continue
-        if not r["feasible"]:
-            lines.append(f"| {r['name']} | {r['dp']}×{r['ep']} | **{r['status']}** | – | – | "
-                         f"{mib(r.get('peak_rss_bytes_per_rank'))} | – | – |")
-            continue
-        p = r.get("predicted")
-        pred = "outside the model" if p is None else (
-            f"{p['samples_per_s']:.2f} ({100 * (p['samples_per_s'] / r['samples_per_s'] - 1):+.0f}%)")
-        state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
-        lines.append(f"| {r['name']} | {r['dp']}×{r['ep']} | {r['samples_per_s']:.2f} | {pred} | {mib(state)} | "
-                     f"{mib(r['peak_rss_bytes_per_rank'])} | {mib(r['inter_node_bytes_per_step'])} | "
-                     f"{r['exposed_comm_s_per_step']:.2f} ({r['exposed_comm_fraction']:.2f}) |")
+             "token exchange MiB/step/rank (predicted) | cross-node wire MiB/step | exposed comm s/step (fraction) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [_run_row(r) for r in report["runs"] if r["fabric"] == "two-node"]
+    exchange = reg.get("goals", {}).get("exchange")
+    if exchange:
+        lines += ["", "| layout | token exchange MiB/step/rank, per-pair → dedup | cross-node part | samples/s | "
+                      "exposed comm s/step |", "|---|---|---|---|---|"]
+        for layout, e in exchange.items():
+            cells = [f"{_mib(v['per_pair'])} → {_mib(v['dedup'])} ({v['dedup_over_per_pair'] or 0:.3f}×)"
+                     for v in (e["a2a_bytes_per_step"], e["a2a_inter_node_bytes_per_step"])]
+            cells += [f"{v['per_pair']:.2f} → {v['dedup']:.2f} ({v['dedup_over_per_pair']:.2f}×)"
+                      for v in (e["samples_per_s"], e["exposed_comm_s_per_step"])]
+            lines.append(f"| {layout.replace('x', '×')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
