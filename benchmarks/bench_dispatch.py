@@ -4,7 +4,8 @@ CPU (always): one process. (1) A tiny-but-not-trivial Qwen3-MoE layer stack; for
 our EP path (world of one: the exchange is the identity, the permute/combine glue and the grouped GEMM
 run), transformers' ``grouped_mm`` and ``eager`` experts implementations — as ratios in one run.
 (2) One MoE block (router + experts) alone at the shape of ``bench_training``'s model, forward and
-forward + backward, same three paths.
+forward + backward, the same paths and our deduplicated exchange (one row per token and rank; at world 1 a
+local copy and the fan-out to the experts).
 CUDA (when a GPU is present): permute and unpermute-combine GB/s of the Triton kernels and of the
 torch path for T = 16k tokens, H = 4096, k = 8, E = 64, against a measured device-to-device copy
 (median of per-call ``torch.cuda.Event`` timings, :mod:`benchmarks.common.kernels`).
@@ -83,8 +84,9 @@ def cpu_layer_comparison(repeat: int, tokens: int = 512, hidden: int = 512, expe
         m = copy.deepcopy(base)
         m.set_experts_implementation(impl)
         blocks[f"transformers {impl}"] = m.model.layers[0].mlp
-    ours = hep.parallelize(copy.deepcopy(base), hep.HybridEPConfig(dispatcher="torch"))
-    blocks["hf_hybrid_ep EP path (torch dispatcher)"] = ours.model.layers[0].mlp
+    for dispatcher in ("torch", "dedup"):  # "auto" runs "torch" at world 1 (nothing to deduplicate across)
+        ours = hep.parallelize(copy.deepcopy(base), hep.HybridEPConfig(dispatcher=dispatcher))
+        blocks[f"hf_hybrid_ep EP path ({dispatcher} dispatcher)"] = ours.model.layers[0].mlp
 
     def fwd(block):
         def run():
