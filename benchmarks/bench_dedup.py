@@ -129,7 +129,7 @@ def summarize(run: dict) -> dict:
             "exposed_comm_s_per_step": run["exposed_comm_s_per_step"],
             "exposed_comm_fraction": run["exposed_comm_fraction"],
             "exposed_comm_by_op_s_per_step": run["exposed_comm_by_op_s_per_step"],
-            "vs_trace_traffic": check_against_trace(run)}
+            "vs_trace_traffic": check_against_trace(run), "load_avg_1min": run["load_avg_1min"]}
 
 
 def _label(s: dict) -> str:
@@ -212,7 +212,8 @@ def _timed(args: argparse.Namespace, work: Path, trained: str, fitted: dict, rep
             report["runs"].append(rec)
             print(f"[{time.monotonic() - started:5.0f}s] {spec.name:32s} {rec['samples_per_s']:7.2f} samples/s, "
                   f"token exchange {(rec['a2a_inter_node_bytes_per_step'] + rec['a2a_intra_node_bytes_per_step']) * WORLD / 2**20:7.3f} "
-                  f"MiB/step ({rec['a2a_inter_node_bytes_per_step'] * WORLD / 2**20:.3f} across)", flush=True)
+                  f"MiB/step ({rec['a2a_inter_node_bytes_per_step'] * WORLD / 2**20:.3f} across); load average "
+                  f"{rec['load_avg_1min']['start']:.1f} → {rec['load_avg_1min']['end']:.1f}", flush=True)
 
     with FlatFabric(WORLD) as flat:  # one node: the rank level alone, no link limit
         run(flat, "contiguous")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 
@@ -140,7 +141,9 @@ def main() -> None:
     parser.add_argument("--json", default="bench_dispatch.json")
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
+    load_at_start = os.getloadavg()  # the machine is shared: the load around the run, as the training benches
     report = {"cpu": cpu_comparison(args.repeat), "cpu_layer": cpu_layer_comparison(args.repeat)}
+    report["load_avg"] = {"start": load_at_start, "end": os.getloadavg()}
     if torch.cuda.is_available():
         report["cuda"] = cuda_bandwidth()
     with open(args.json, "w") as f:

@@ -97,11 +97,15 @@ def _rank_records(procs: list[subprocess.Popen], out: Path) -> list[dict]:
 
 
 def run_layout(spec: RunSpec, fabric: Fabric, ckpt: str, step: StepArgs, world: int, workdir: str) -> dict:
-    """Train ``spec`` on ``fabric`` with ``world`` fresh processes; return the merged per-run record."""
+    """Train ``spec`` on ``fabric`` with ``world`` fresh processes; return the merged per-run record, with the
+    machine's 1-minute load average before and after the run (its own ranks included: the cores are shared)."""
+    load_at_start = os.getloadavg()
     out = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=workdir))
     payload = {"spec": dataclasses.asdict(spec), "step": dataclasses.asdict(step) | {"ranks_per_node": fabric.ranks_per_node},
                "ckpt": ckpt, "out": str(out)}
     (out / "job.json").write_text(json.dumps(payload))
     procs = _start_ranks(fabric, world, out)
     _wait(procs, step.run_timeout_s)
-    return merge(spec, fabric, _rank_records(procs, out), step)
+    rec = merge(spec, fabric, _rank_records(procs, out), step)
+    rec["load_avg_1min"] = {"start": load_at_start[0], "end": os.getloadavg()[0]}
+    return rec

@@ -42,12 +42,9 @@ def scratch_checkpoint(model_args: ModelArgs) -> Iterator[tuple[str, str]]:
 
 def run_logged(spec: RunSpec, fabric: Fabric, ckpt: str, step: StepArgs, world: int, workdir: str, report: dict,
                started: float) -> dict:
-    """``run_layout``; the record (with the machine's load average around the run) appended to the report and one
-    line printed (seconds since ``started``, a ``time.monotonic()`` value)."""
-    load_at_start = os.getloadavg()
+    """``run_layout``; the record appended to the report and one line printed (seconds since ``started``, a
+    ``time.monotonic()`` value)."""
     rec = run_layout(spec, fabric, ckpt, step, world, workdir)
-    # the machine's 1-minute load average before and after the run (its own ranks included)
-    rec["load_avg_1min"] = {"start": load_at_start[0], "end": os.getloadavg()[0]}
     report["runs"].append(rec)
     sps = f"{rec['samples_per_s']:.2f} samples/s" if rec["feasible"] else f"{rec['status']}: {rec.get('error', '')[:200]}"
     print(f"[{time.monotonic() - started:6.0f}s] {fabric.name:8s} {spec.name:26s} {sps}", flush=True)
