@@ -279,7 +279,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "| layout | token exchange MiB/step/rank, per-pair → dedup | cross-node part | samples/s | "
                       "exposed comm s/step |", "|---|---|---|---|---|"]
         for layout, e in exchange.items():
-            cells = [f"{_mib(v['per_pair'])} → {_mib(v['dedup'])} ({v['dedup_over_per_pair'] or 0:.3f}×)"
+            cells = [f"{_mib(v['per_pair'])} → {_mib(v['dedup'])} "
+                     + ("(none crosses)" if v["dedup_over_per_pair"] is None else f"({v['dedup_over_per_pair']:.3f}×)")
                      for v in (e["a2a_bytes_per_step"], e["a2a_inter_node_bytes_per_step"])]
             cells += [f"{v['per_pair']:.2f} → {v['dedup']:.2f} ({v['dedup_over_per_pair']:.2f}×)"
                       for v in (e["samples_per_s"], e["exposed_comm_s_per_step"])]
