@@ -17,11 +17,11 @@ it; multiply by ``hidden × bytes per element`` for bytes):
 * a (token, expert e) assignment from source rank s stays on s when s holds a replica of e, else it
   goes to one of e's ``R_e`` replicas with probability ``1/R_e`` (the dispatcher's rule; the choices of
   a token's k experts are modelled as independent);
-* **pair traffic** — what the all-to-all dispatcher moves today: every assignment whose destination
+* **pair traffic** — what the per-pair dispatchers (``"torch"``, ``"triton"``) move: every assignment whose destination
   is another rank is one send, classified by the link it crosses (intra-node, inter-node in a rack,
   cross-rack);
-* **node-deduplicated traffic** — what a hierarchical dispatcher (DeepEP-style: one copy per
-  destination node, forwarded inside the node over NVLink) moves: a token sends one copy to each
+* **node-deduplicated traffic** — what the deduplicated dispatcher (``"dedup"``, DeepEP-style: one copy per
+  destination node, forwarded inside the node over NVLink) sends across nodes: a token sends one copy to each
   *node* other than its own that holds at least one of its experts (``cross_node``), and one copy to
   each other *rack* holding one (``cross_rack``). From pair statistics, the number of distinct
   nodes of a token is computed as ``Σ_e x_e − Σ_{a<b} x_a x_b [same node]`` (x: chosen experts),
