@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .alltoall import AsyncExchange, _exchange, all_to_all, all_to_all_async
+from ..parallel.watchdog import watched
+from .alltoall import AsyncExchange, _exchange, all_to_all, all_to_all_async, exchange_name
 from .gathers import weighted_gather
 from .protocol import LocalPairs, Received, SideChannel
 from .stats import CommStats
@@ -157,10 +158,11 @@ class _PackedExchange(torch.autograd.Function):
     def forward(ctx, rows, weights, keys, send_splits, recv_splits, group, stats, self_index):  # type: ignore[override]
         ctx.meta = (send_splits, recv_splits, group, stats, self_index, rows.dtype, rows.shape[1], weights.dtype,
                     weights.shape[1], rows.device)
+        ctx.what = exchange_name("dispatch_inter, backward")
         packed = torch.cat([_as_bytes(rows), _as_bytes(weights), _as_bytes(keys)], dim=1)
         if stats is not None:
             stats.record("dispatch_inter", send_splits, recv_splits, self_index, packed.shape[1])
-        out = _exchange(packed, send_splits, recv_splits, group)
+        out = _exchange(packed, send_splits, recv_splits, group, what=exchange_name("dispatch_inter"))
         cols = [rows.shape[1] * rows.element_size(), weights.shape[1] * weights.element_size()]
         keys_out = _from_bytes(out[:, cols[0] + cols[1] :], keys.dtype, keys.shape[1])
         ctx.mark_non_differentiable(keys_out)
@@ -177,7 +179,7 @@ class _PackedExchange(torch.autograd.Function):
         packed = torch.cat([_as_bytes(grad_rows.to(row_dtype)), _as_bytes(grad_weights.to(w_dtype))], dim=1)
         if stats is not None:
             stats.record("dispatch_inter_backward", recv_splits, send_splits, self_index, packed.shape[1])
-        out = _exchange(packed, recv_splits, send_splits, group)
+        out = _exchange(packed, recv_splits, send_splits, group, what=ctx.what)
         cut = width * row_dtype.itemsize
         return (_from_bytes(out[:, :cut], row_dtype, width), _from_bytes(out[:, cut:], w_dtype, k),
                 None, None, None, None, None, None)
@@ -233,7 +235,8 @@ class HierarchicalDispatcher(TorchDispatcher):
         if self.ep_group is None:
             received.copy_(outgoing)
         else:
-            dist.all_to_all_single(received, outgoing, group=self.ep_group)
+            with watched(exchange_name("counts"), self.ep_group):
+                dist.all_to_all_single(received, outgoing, group=self.ep_group)
         node_rows = message[:, self.block - 1 : len(spans) * self.block : self.block].T.reshape(-1)
         host = host_ints(torch.cat([num_local, node_rows, received.reshape(-1)]))
         chunks, nodes = len(spans), g.nodes

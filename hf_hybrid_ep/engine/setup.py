@@ -28,10 +28,19 @@ from ..moe.load import attach_load_accounting
 from ..moe.rebalance import Rebalancer
 from ..moe.router_controls import install_router_controls
 from ..moe.shadow import ShadowManager
+from ..parallel import watchdog
 from ..parallel.agreement import InputAgreement
 from ..parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
 from ..parallel.grads import GradientReducer
-from ..parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, world_size
+from ..parallel.mesh import (
+    HybridMesh,
+    build_mesh,
+    current_device,
+    default_device_type,
+    world_size,
+    world_timeout,
+)
+from ..parallel.watchdog import watched
 from .backward import BackwardSequence
 from .model_io import wrap_generate, wrap_save_pretrained
 from .optimizers import wait_for_parameters
@@ -49,7 +58,8 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
         sums = [p.detach().sum(dtype=torch.float64).item() for p in model.parameters()]
     mine = ([t.fingerprint() for t in tables], sums)
     gathered: list = [None] * mesh.world_size
-    dist.all_gather_object(gathered, mine)
+    with watched("all_gather of every rank's placement tables and parameter sums (set-up check)"):
+        dist.all_gather_object(gathered, mine)
     names = [n for n, _ in model.named_parameters()]
     for rank, (fps, other) in enumerate(gathered):
         if fps != mine[0]:
@@ -72,7 +82,8 @@ def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
     if mesh.world_group is not None:
         flags = torch.zeros(mesh.world_size, dtype=torch.int32, device=current_device(mesh))
         flags[mesh.rank] = int(error is not None)
-        dist.all_reduce(flags, group=mesh.world_group)
+        with watched("all_reduce of the set-up agreement", mesh.world_group):
+            dist.all_reduce(flags, group=mesh.world_group)
         failed = [r for r, f in enumerate(flags.tolist()) if f]
         if failed and error is None:
             raise RuntimeError(f"hybrid-EP setup failed on rank(s) {failed}; see their errors")
@@ -135,7 +146,9 @@ def _apply_layout(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]])
     dp, ep = config.resolve(world_size(), math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
     tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
-    mesh = build_mesh(dp, ep, topology=config.topology)
+    timeout = watchdog.timeout_of(config.collective_timeout_s) or world_timeout()
+    mesh = build_mesh(dp, ep, topology=config.topology, timeout=timeout)
+    watchdog.start(timeout.total_seconds())
     backend, why = choose_backend(config.dispatcher, mesh)
     if mesh.rank == 0:
         logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .mesh import HybridMesh, current_device
+from .watchdog import watched
 
 WORKING, DONE, FAILED = 0, 1, 2
 INTERVAL_S = 5.0  # seconds between two beats of rank 0 while it works alone
@@ -38,7 +39,8 @@ class Heartbeat:
             return state
         if self.rank == 0:
             self.flag.fill_(state)
-        dist.broadcast(self.flag, src=0, group=self.group)
+        with watched("broadcast of rank 0's progress while it writes alone (heartbeat)", self.group):
+            dist.broadcast(self.flag, src=0, group=self.group)
         received = int(self.flag.item())
         if received == FAILED and self.rank != 0:
             raise CheckpointError("rank 0 failed while writing the checkpoint (its error says why)")
