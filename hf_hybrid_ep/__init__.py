@@ -23,7 +23,7 @@ from .engine import (
     state_of,
     wait_for_parameters,
 )
-from .errors import HybridEPConfigError
+from .errors import HybridEPConfigError, NonFiniteGradientError
 from .hub import push_to_hub
 from .inference.offload import cache_stats, load_offloaded, offload, resize_offload
 from .inference.policies import ExpertCache
@@ -61,6 +61,7 @@ __all__ = [
     "memory_report",
     "load_offloaded",
     "MemoryStore",
+    "NonFiniteGradientError",
     "no_sync",
     "offload",
     "parallelize",

@@ -117,7 +117,8 @@ def _add_report_commands(sub) -> None:
 
     p = sub.add_parser("inspect", help="layers, experts, ranks and bytes per file")
     p.add_argument("ckpt")
-    p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum")
+    p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum and report "
+                   "tensors holding NaN or inf (exit status 1 when there are any)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "inspect":
             summary = inspect_checkpoint(args.ckpt, verify=args.verify)
             print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+            if summary.get("nonfinite"):
+                return 1  # the checksums hold, but the weights are not usable
     except (CheckpointError, HybridEPConfigError, FileNotFoundError, ValueError) as err:
         print(f"hf-hybrid-ep {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from ..parallel.mesh import (
 from ..parallel.watchdog import watched
 from .backward import BackwardSequence
 from .model_io import wrap_generate, wrap_save_pretrained
+from .nonfinite import watch_optimizers
 from .optimizers import wait_for_parameters
 from .state import HybridEPState, attach, is_parallelized, state_of
 from .step import after_forward, before_forward
@@ -134,6 +135,7 @@ def parallelize(
     _apply_hooks(model=model)
     if config.rebalancing:
         state_of(model).rebalancer = Rebalancer(model, layers, mesh, reducer, config)
+    watch_optimizers(model)
     wrap_save_pretrained(model)
     wrap_generate(model)
     return model

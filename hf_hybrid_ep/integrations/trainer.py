@@ -14,7 +14,11 @@
   the engine reduce-scatters expert gradients over their EDP groups. Checkpoints are interchangeable
   with unsharded runs;
 * per-rank bytes of weights, gradients and optimizer state are logged when the optimizer is created and
-  added to the ``train()`` summary metrics.
+  added to the ``train()`` summary metrics;
+* a step whose global gradient norm is not finite is skipped on every rank, the scheduler with it
+  (:mod:`hf_hybrid_ep.engine.nonfinite`; ``skipped_steps`` in the logs);
+* ``train()`` runs under the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`): no progress for the collective
+  timeout (``collective_timeout_s``, else ``--ddp_timeout``) ends every rank with one message naming where.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
 from ..engine.freeze import ExpertFreezer
 from ..engine.gradients import clip_grad_norm_
+from ..engine.nonfinite import record_norm
 from ..engine.optimizers import reshard_optimizer
 from ..engine.replicas import verify_model_replicas
 from ..engine.state import state_of
@@ -42,6 +47,7 @@ from ..errors import HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
 from ..moe.discovery import find_experts_modules
+from ..parallel import watchdog
 from ..parallel.amp import agree_found_inf_
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
@@ -82,6 +88,13 @@ class _HybridEPCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._agree_overflow()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        """A step skipped for non-finite gradients skips the scheduler too, as an fp16 overflow does."""
+        skipped = state_of(self.trainer.hybrid_model).skipped.allowed is False
+        optimizer = self.trainer.optimizer
+        if hasattr(optimizer, "_is_overflow"):  # Accelerate's wrapper: what optimizer_step_was_skipped reads
+            optimizer._is_overflow = skipped or (optimizer.scaler is not None and optimizer._is_overflow)
 
     def on_step_end(self, args, state, control, **kwargs):
         after_optimizer_step(self.trainer.hybrid_model, self.trainer.optimizer)
@@ -133,7 +146,10 @@ class HybridEPTrainer(Trainer):
     def train(self, *args, **kwargs):
         """``Trainer.train``; the summary metrics also carry this rank's bytes of weights, gradients and
         optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report` measures)."""
-        output = super().train(*args, **kwargs)
+        config = state_of(self.hybrid_model).config
+        watchdog.start(config.collective_timeout_s or self.args.ddp_timeout)
+        with watchdog.region("HybridEPTrainer.train (DDP's all-reduce and buffer broadcast, Accelerate's gathers)"):
+            output = super().train(*args, **kwargs)
         report = log_memory_report(self.hybrid_model, self.optimizer)
         self.memory_report = report
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
@@ -144,6 +160,9 @@ class HybridEPTrainer(Trainer):
         """Add the expert-load summary to training logs and append the per-layer figures to
         ``<output_dir>/expert_load.jsonl`` (rank 0)."""
         if "loss" in logs:
+            skipped = state_of(self.hybrid_model).skipped.total
+            if skipped:
+                logs["skipped_steps"] = float(skipped)
             report = load_report(self.hybrid_model)
             rebalances = rebalance_report(self.hybrid_model)
             logs.update(summary_scalars(report))
@@ -187,6 +206,7 @@ class HybridEPTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:
             grad_norm = state_of(self.hybrid_model).reducer.global_grad_norm()
+            record_norm(self.hybrid_model, grad_norm)
         return grad_norm
 
     # ------------------------------------------------------------------ checkpoints

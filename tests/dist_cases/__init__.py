@@ -42,7 +42,9 @@ from .failures import (
     fp16_overflow_agreement,
     modality_mismatch,
     nan_in_router_input,
+    nonfinite_steps,
     replica_check,
+    save_refuses_nonfinite,
 )
 from .inference import forward_parity, generate_uneven
 from .integrations import (
@@ -57,6 +59,7 @@ from .placement import (
     mesh_layout,
     parameter_bytes,
     rebalance_then_save,
+    rebalance_without_optimizer,
     routing_metrics,
     save_and_reload_placement,
 )
@@ -95,7 +98,9 @@ __all__ = [
     "fp16_overflow_agreement",
     "modality_mismatch",
     "nan_in_router_input",
+    "nonfinite_steps",
     "replica_check",
+    "save_refuses_nonfinite",
     # inference
     "forward_parity",
     "generate_uneven",
@@ -110,6 +115,7 @@ __all__ = [
     "mesh_layout",
     "parameter_bytes",
     "rebalance_then_save",
+    "rebalance_without_optimizer",
     "routing_metrics",
     "save_and_reload_placement",
     # training

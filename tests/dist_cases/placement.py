@@ -124,3 +124,16 @@ def routing_metrics(dp: int, ep: int, steps: int = 3, **controls: Any) -> dict:
     biases = [layer.controls.selection_bias.tolist() for layer in state.layers
               if layer.controls is not None and layer.controls.selection_bias is not None]
     return {"report": report, "biases": biases, "rank0_share": shares}
+
+
+def rebalance_without_optimizer() -> dict:
+    """Rebalancing due after a step that no optimizer took: refused before any expert moves."""
+    model, _ = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size(), rebalance_every=1))
+    model(**_rank_slice(_global_inputs(model, dist.get_world_size(), seed=0), dist.get_rank())).loss.backward()
+    before = _tables(model)
+    try:
+        hep.after_optimizer_step(model)
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err), "unmoved": _tables(model) == before}
+    return {"message": "", "unmoved": _tables(model) == before}
