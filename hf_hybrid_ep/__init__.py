@@ -6,6 +6,7 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
+from .checkpoint.save import save_hybrid_checkpoint
 from .config import HybridEPConfig
 from .dispatch import PlacementTable
 from .engine import (
@@ -68,6 +69,7 @@ __all__ = [
     "PlacementTable",
     "push_to_hub",
     "reset_comm_stats",
+    "save_hybrid_checkpoint",
     "resize_offload",
     "after_optimizer_step",
     "shard_optimizer",

@@ -26,6 +26,8 @@ PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")
 NONFINITE_GRAD_POLICIES = ("skip", "stop")
+# keys a hybrid-EP YAML file may hold beside the config's fields (HybridEPPlugin maps them onto TrainingArguments)
+TRAINING_SETTINGS = ("microbatch_size", "gradient_accumulation", "optimizer", "resume_from_checkpoint")
 MIN_COLLECTIVE_TIMEOUT_S = 10.0  # above two beats of a rank-0-only write (parallel/heartbeat.py, 5 s apart)
 DENSE_SHARDINGS = ("replicate", "fsdp")
 
@@ -35,7 +37,7 @@ def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, 
 
     Raises:
         HybridEPConfigError: naming ``label`` and the file — missing, not UTF-8, a syntax error (with
-            ``file:line:column``), or not a mapping.
+            ``file:line:column``), not a mapping, or keys beside the ``hybrid_ep:`` block (nothing reads them).
     """
     import yaml
 
@@ -52,7 +54,11 @@ def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, 
         problem = getattr(err, "problem", None) or str(err)
         raise HybridEPConfigError(f"{label} {where}: YAML syntax error: {problem}") from err
     if isinstance(data, Mapping) and "hybrid_ep" in data:
-        data = data["hybrid_ep"]
+        beside = sorted(str(k) for k in data if k != "hybrid_ep")
+        if beside:
+            raise HybridEPConfigError(f"{label} {str(path)!r}: key(s) {beside} stand beside the 'hybrid_ep:' block, "
+                                      "where nothing reads them; move them inside it")
+        data = data["hybrid_ep"] or {}
     if not isinstance(data, Mapping):
         raise HybridEPConfigError(f"{label} {str(path)!r} must hold a mapping (optionally under 'hybrid_ep:'), "
                                   f"got {type(data).__name__}")
@@ -254,9 +260,10 @@ class HybridEPConfig:
         known = set(config_fields())
         unknown = sorted(set(data) - known)
         if unknown:
-            raise HybridEPConfigError(
-                f"unknown HybridEPConfig key(s) {unknown}; known keys: {sorted(known)}"
-            )
+            training = sorted(set(unknown) & set(TRAINING_SETTINGS))
+            hint = (f"; {training} are training settings, read by HybridEPPlugin (scripts/train.py "
+                    "--hybrid_ep_config; examples/hybrid_ep.yaml)") if training else ""
+            raise HybridEPConfigError(f"unknown HybridEPConfig key(s) {unknown}; known keys: {sorted(known)}{hint}")
         return cls(**dict(data))
 
     @classmethod

@@ -145,3 +145,28 @@ def test_ddp_looks_for_unused_parameters_only_where_some_can_be_unused():
     assert may_leave_parameters_unused(build_tiny_model("qwen3_moe", num_experts=4)) is None
     vl = build_tiny_model("ernie4_5_vl_moe", num_experts=4, num_layers=3)  # text and vision experts per block
     assert "several experts modules" in (may_leave_parameters_unused(vl) or ""), may_leave_parameters_unused(vl)
+
+
+def test_resume_from_the_latest_complete_checkpoint_logs_each_step_once(pools, tmp_path):
+    """``resume_from_checkpoint="latest"``: a fresh start in an empty output directory; after a run that saved
+    checkpoint-2 and checkpoint-4, with checkpoint-4 missing a file (incomplete), it resumes from checkpoint-2, its
+    losses equal the first run's, and expert_load.jsonl holds every step once."""
+    from hf_hybrid_ep.integrations.resume import latest_checkpoint
+
+    pool, run = pools(2), tmp_path / "run"
+    fresh = pool.run(cases.trainer_resume_latest, str(tmp_path / "empty"), 2)
+    assert len(fresh[0]["losses"]) == 2
+    first = pool.run(cases.trainer_run, 1, 2, str(run), 4, 2)[0]["losses"]
+    assert latest_checkpoint(run).name == "checkpoint-4"
+    resumed = pool.run(cases.trainer_resume_latest, str(run), 4, "scheduler.pt")
+    for r in resumed:
+        assert len(r["losses"]) == 4 and _rel(r["losses"][2:], first[2:]) <= cases.REL_TOL, (r["losses"], first)
+    assert [rec["step"] for rec in read_jsonl(run / "expert_load.jsonl")] == [1, 2, 3, 4]
+    assert latest_checkpoint(run).name == "checkpoint-4"  # written again, complete
+
+
+def test_the_ranks_must_read_different_data(pools):
+    same = pools(2).run(cases.distinct_inputs, True)
+    assert all("ranks [0, 1] received the same first batch" in r["message"] for r in same), same
+    assert all("use_cpu=True" in r["message"] for r in same)
+    assert all(r["message"] == "" for r in pools(2).run(cases.distinct_inputs, False))

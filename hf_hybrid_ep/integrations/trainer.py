@@ -17,6 +17,9 @@
   added to the ``train()`` summary metrics;
 * a step whose global gradient norm is not finite is skipped on every rank, the scheduler with it
   (:mod:`hf_hybrid_ep.engine.nonfinite`; ``skipped_steps`` in the logs);
+* ``train(resume_from_checkpoint="latest")`` (or ``True``) resumes from the newest complete checkpoint of the output
+  directory and starts fresh when there is none; ``expert_load.jsonl`` loses the records of later steps, which
+  the resumed run logs again (:mod:`hf_hybrid_ep.integrations.resume`);
 * ``train()`` runs under the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`): no progress for the collective
   timeout (``collective_timeout_s``, else ``--ddp_timeout``) ends every rank with one message naming where.
 """
@@ -38,6 +41,7 @@ from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
 from ..engine.freeze import ExpertFreezer
 from ..engine.gradients import clip_grad_norm_
+from ..engine.inputs import check_distinct_inputs
 from ..engine.nonfinite import record_norm
 from ..engine.optimizers import reshard_optimizer
 from ..engine.replicas import verify_model_replicas
@@ -51,6 +55,7 @@ from ..parallel import watchdog
 from ..parallel.amp import agree_found_inf_
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
+from .resume import resolve_resume
 
 logger = logging.getLogger("hf_hybrid_ep")
 
@@ -121,6 +126,7 @@ class HybridEPTrainer(Trainer):
         self._inference_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         self._staging: tuple[Path, str] | None = None
         self._freeze = (freeze_experts, freeze_from_step)
+        self._inputs_checked = False
         self.freezer: ExpertFreezer | None = None
         _no_pinned_memory_without_cuda(args[0] if args else kwargs.get("args"))
         super().__init__(model, *args, **kwargs)
@@ -143,18 +149,30 @@ class HybridEPTrainer(Trainer):
             self.memory_report = log_memory_report(self.hybrid_model, optimizer)
         return optimizer
 
-    def train(self, *args, **kwargs):
-        """``Trainer.train``; the summary metrics also carry this rank's bytes of weights, gradients and
-        optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report` measures)."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint="latest"`` or ``True``: the newest complete checkpoint of the
+        output directory, or a fresh start when there is none. The summary metrics also carry this rank's bytes of
+        weights, gradients and optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report`
+        measures)."""
+        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir,
+                                                main_process=self.args.should_save)
         config = state_of(self.hybrid_model).config
         watchdog.start(config.collective_timeout_s or self.args.ddp_timeout)
         with watchdog.region("HybridEPTrainer.train (DDP's all-reduce and buffer broadcast, Accelerate's gathers)"):
-            output = super().train(*args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = log_memory_report(self.hybrid_model, self.optimizer)
         self.memory_report = report
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
             output.metrics[f"hybrid_ep_{key}"] = report[key]
         return output
+
+    def training_step(self, model: nn.Module, inputs: dict, *args, **kwargs):
+        """``Trainer.training_step``; the first one checks that the ranks received different batches
+        (:func:`hf_hybrid_ep.engine.inputs.check_distinct_inputs`)."""
+        if not self._inputs_checked:
+            check_distinct_inputs(self.hybrid_model, inputs)
+            self._inputs_checked = True
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the expert-load summary to training logs and append the per-layer figures to

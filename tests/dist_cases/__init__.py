@@ -49,8 +49,11 @@ from .failures import (
 from .inference import forward_parity, generate_uneven
 from .integrations import (
     accelerate_loop,
+    distinct_inputs,
     fsdp_under_accelerate,
+    train_script,
     trainer_eval,
+    trainer_resume_latest,
     trainer_run,
     trainer_shadow_run,
 )
@@ -106,8 +109,11 @@ __all__ = [
     "generate_uneven",
     # integrations
     "accelerate_loop",
+    "distinct_inputs",
     "fsdp_under_accelerate",
+    "train_script",
     "trainer_eval",
+    "trainer_resume_latest",
     "trainer_run",
     "trainer_shadow_run",
     # placement

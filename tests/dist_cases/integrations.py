@@ -154,3 +154,54 @@ def fsdp_under_accelerate() -> dict:
     except hep.HybridEPConfigError as err:
         return {"message": str(err)}
     return {"message": ""}
+
+
+def train_script(argv: list[str]) -> dict:
+    """``scripts/train.py``'s ``main`` on this rank of the pool (whose process group it leaves alone): the logged
+    losses and the rank's exit (``error``: a refusal's message)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.main(argv)
+    except hep.HybridEPConfigError as err:
+        return {"error": str(err)}
+    out = Path(argv[argv.index("--output_dir") + 1])
+    last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    return {"error": "", "losses": {e["step"]: e["loss"] for e in history if "loss" in e}}
+
+
+def distinct_inputs(same: bool) -> dict:
+    """The start-up data check on batches that differ per rank, or are the same on every rank."""
+    from hf_hybrid_ep.engine.inputs import check_distinct_inputs
+
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size()))
+    batch = _rank_slice(_global_inputs(model, dist.get_world_size(), seed=5), 0 if same else dist.get_rank())
+    try:
+        check_distinct_inputs(model, batch)
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err)}
+    return {"message": ""}
+
+
+def trainer_resume_latest(output_dir: str, max_steps: int, drop: str | None = None) -> dict:
+    """:func:`trainer_run` resuming with ``"latest"``; first, rank 0 removes file ``drop`` of the newest checkpoint
+    (an incomplete one must be skipped)."""
+    from pathlib import Path
+
+    if drop is not None and dist.get_rank() == 0:
+        newest = max(Path(output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+        (newest / drop).unlink()
+    dist.barrier()
+    return trainer_run(1, dist.get_world_size(), output_dir, max_steps, 2, "latest")
