@@ -161,6 +161,7 @@ def train_script(argv: list[str]) -> dict:
     losses and the rank's exit (``error``: a refusal's message)."""
     import importlib.util
     import json
+    import sys
     from pathlib import Path
 
     from accelerate.state import AcceleratorState, GradientState
@@ -170,6 +171,7 @@ def train_script(argv: list[str]) -> dict:
     path = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
     spec = importlib.util.spec_from_file_location("train_script", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     try:
         module.main(argv)
