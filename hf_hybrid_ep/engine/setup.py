@@ -35,13 +35,13 @@ from ..parallel.grads import GradientReducer
 from ..parallel.mesh import (
     HybridMesh,
     build_mesh,
-    current_device,
     default_device_type,
     world_size,
     world_timeout,
 )
 from ..parallel.watchdog import watched
 from .backward import BackwardSequence
+from .failures import agree_on_failure
 from .model_io import wrap_generate, wrap_save_pretrained
 from .nonfinite import watch_optimizers
 from .optimizers import wait_for_parameters
@@ -71,25 +71,6 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
                     f"parameter {name!r} differs between rank {rank} and rank {mesh.rank}: build the model "
                     "identically on every rank (same seed or the same checkpoint) before parallelize"
                 )
-
-
-def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
-    """Run ``fn(*args)``; if it raises on any rank, raise on every rank (nobody enters a collective alone)."""
-    error: BaseException | None = None
-    try:
-        fn(*args)
-    except Exception as err:  # re-raised below, after the ranks agree
-        error = err
-    if mesh.world_group is not None:
-        flags = torch.zeros(mesh.world_size, dtype=torch.int32, device=current_device(mesh))
-        flags[mesh.rank] = int(error is not None)
-        with watched("all_reduce of the set-up agreement", mesh.world_group):
-            dist.all_reduce(flags, group=mesh.world_group)
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
-        if failed and error is None:
-            raise RuntimeError(f"hybrid-EP setup failed on rank(s) {failed}; see their errors")
-    if error is not None:
-        raise error
 
 
 def parallelize(
@@ -123,7 +104,7 @@ def parallelize(
         _check_same_everywhere(model, tables, mesh)
     layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh)
     if materialize is not None:
-        _agree(mesh, materialize, model, layers)
+        agree_on_failure(mesh, materialize, model, layers)
     place_module(model, device)  # after sharding: only this rank's experts reach the device
     _apply_router_controls(model=model, config=config, layers=layers)
     if config.dense_sharding == "fsdp":
@@ -163,7 +144,7 @@ def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
     device = rank_device(mesh.device_type)
     current = current_cuda_device() if device.type == "cuda" else None
     use_device(device)  # first: the agreement below is a collective on this device
-    _agree(mesh, check_devices, model, device, current)
+    agree_on_failure(mesh, check_devices, model, device, current)
     return device
 
 
