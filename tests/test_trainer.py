@@ -170,3 +170,19 @@ def test_the_ranks_must_read_different_data(pools):
     assert all("ranks [0, 1] received the same first batch" in r["message"] for r in same), same
     assert all("use_cpu=True" in r["message"] for r in same)
     assert all(r["message"] == "" for r in pools(2).run(cases.distinct_inputs, False))
+
+
+def test_evaluation_at_a_smaller_ep_degree_inside_training(pools, tmp_path):
+    """dp 2 × ep 2, evaluating after steps 2 and 4 at ep 1 (every rank holds all 4 experts, batch 4): the same
+    evaluation losses as at the training layout, the same training losses after, the training layout back."""
+    pool = pools(4)
+    plain = pool.run(cases.trainer_eval_layout, str(tmp_path / "plain"), None)
+    small = pool.run(cases.trainer_eval_layout, str(tmp_path / "small"), 1)
+    for a, b in zip(plain, small, strict=True):
+        assert len(b["eval_losses"]) == 2 and _rel(b["eval_losses"], a["eval_losses"]) <= cases.REL_TOL, (a, b)
+        assert _rel(b["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], b["losses"])
+        assert b["layout"] == a["layout"] and all(ep == 2 and shape[0] == 2 for ep, _, shape in b["layout"]), b
+    for r in pool.run(cases.eval_layout_refusals):
+        assert "ep_degree=3 must divide the training EP degree 4" in r["messages"][0], r
+        assert "evaluation at ep_degree=1 needs" in r["messages"][1] and "beyond the budget given" in r["messages"][1]
+        assert r["unchanged"] and [s[0] for s in r["inside"]] == [4, 4] and r["logits_rel"] <= cases.REL_TOL, r

@@ -39,6 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
+from ..engine.eval_layout import eval_layout
 from ..engine.freeze import ExpertFreezer
 from ..engine.gradients import clip_grad_norm_
 from ..engine.inputs import check_distinct_inputs
@@ -115,11 +116,14 @@ class HybridEPTrainer(Trainer):
             bit-identical across its replicas (0: never); a divergence names the parameter and ranks.
         freeze_experts / freeze_from_step: the expert specialization schedule
             (:class:`hf_hybrid_ep.ExpertFreezer`): expert ids or ``"least_used:N"``, from that step on.
+        eval_ep_degree: run ``evaluate()`` with the experts laid out at this smaller EP degree (more experts per
+            rank: pair it with a larger ``per_device_eval_batch_size``), training continuing at the full degree
+            afterwards (:func:`hf_hybrid_ep.eval_layout`; memory checked first). ``None``: the training layout.
     """
 
     def __init__(
         self, model: nn.Module, *args, verify_sync_steps: int = 0, freeze_experts=None, freeze_from_step: int = 0,
-        **kwargs,
+        eval_ep_degree: int | None = None, **kwargs,
     ) -> None:
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
         # the Trainer sets config.use_cache from its args (False); checkpoints keep the source's
@@ -127,6 +131,7 @@ class HybridEPTrainer(Trainer):
         self._staging: tuple[Path, str] | None = None
         self._freeze = (freeze_experts, freeze_from_step)
         self._inputs_checked = False
+        self.eval_ep_degree = eval_ep_degree
         self.freezer: ExpertFreezer | None = None
         _no_pinned_memory_without_cuda(args[0] if args else kwargs.get("args"))
         super().__init__(model, *args, **kwargs)
@@ -165,6 +170,13 @@ class HybridEPTrainer(Trainer):
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
             output.metrics[f"hybrid_ep_{key}"] = report[key]
         return output
+
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``, at ``eval_ep_degree`` when given (the training layout comes back afterwards)."""
+        if self.eval_ep_degree is None:
+            return super().evaluate(*args, **kwargs)
+        with eval_layout(self.hybrid_model, self.eval_ep_degree):
+            return super().evaluate(*args, **kwargs)
 
     def training_step(self, model: nn.Module, inputs: dict, *args, **kwargs):
         """``Trainer.training_step``; the first one checks that the ranks received different batches

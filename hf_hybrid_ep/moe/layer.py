@@ -127,6 +127,15 @@ class ShardedExperts:
         self.module.num_experts = len(self.local_experts)
         self.dispatcher = self._make_dispatcher(table)
 
+    def use_layout(self, mesh: HybridMesh, table: PlacementTable, options: EPLayerOptions) -> None:
+        """Route over ``mesh``'s EP groups by ``table`` from now on, with ``options`` (its counts messages are as
+        wide as the new slots): another EP degree, whose experts the caller has put in the module
+        (:func:`hf_hybrid_ep.engine.eval_layout.eval_layout`)."""
+        self.mesh, self.table, self.options = mesh, table, options
+        self.local_experts = table.local_experts(mesh.ep_rank)
+        self.module.num_experts = len(self.local_experts)
+        self.dispatcher = self._make_dispatcher(table)
+
     @torch.no_grad()
     def gather_full(self, pname: str) -> torch.Tensor:
         """The unsharded ``[E, ...]`` tensor of parameter ``pname``, assembled over the EP group.

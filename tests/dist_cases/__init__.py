@@ -51,9 +51,11 @@ from .inference import forward_parity, generate_uneven
 from .integrations import (
     accelerate_loop,
     distinct_inputs,
+    eval_layout_refusals,
     fsdp_under_accelerate,
     train_script,
     trainer_eval,
+    trainer_eval_layout,
     trainer_resume_latest,
     trainer_run,
     trainer_shadow_run,
@@ -112,9 +114,11 @@ __all__ = [
     # integrations
     "accelerate_loop",
     "distinct_inputs",
+    "eval_layout_refusals",
     "fsdp_under_accelerate",
     "train_script",
     "trainer_eval",
+    "trainer_eval_layout",
     "trainer_resume_latest",
     "trainer_run",
     "trainer_shadow_run",

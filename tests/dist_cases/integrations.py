@@ -15,7 +15,7 @@ from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
 
-from .common import ADAM_EPS, _build, _global_inputs, _rank_slice, _skew_routers
+from .common import ADAM_EPS, _build, _global_inputs, _rank_slice, _rel, _skew_routers
 
 
 def trainer_run(
@@ -207,3 +207,45 @@ def trainer_resume_latest(output_dir: str, max_steps: int, drop: str | None = No
         (newest / drop).unlink()
     dist.barrier()
     return trainer_run(1, dist.get_world_size(), output_dir, max_steps, 2, "latest")
+
+
+def trainer_eval_layout(output_dir: str, eval_ep_degree: int | None) -> dict:
+    """The stock Trainer at dp 2 × ep 2 evaluating every 2 of 4 steps, at ``eval_ep_degree`` (``None``: the
+    training layout): training and evaluation losses, and the layout after the run."""
+    import trainer_cases as tc
+
+    from hf_hybrid_ep.integrations import HybridEPTrainer
+
+    model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=2, ep_degree=2))
+    args = tc.arguments(output_dir, 2, 4, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    trainer = HybridEPTrainer(model=model, args=args, train_dataset=tc.dataset(), eval_dataset=tc.dataset(16),
+                              eval_ep_degree=eval_ep_degree)
+    trainer.train()
+    state = hep.state_of(model)
+    return {"losses": tc.losses(trainer),
+            "eval_losses": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e],
+            "layout": [(layer.mesh.ep_degree, [list(r) for r in layer.table.rows],
+                        tuple(layer.expert_parameters()[0].shape)) for layer in state.layers]}
+
+
+def eval_layout_refusals() -> dict:
+    """At ep 1 every rank holds all 4 experts and the logits equal the training layout's; an EP degree that does not
+    divide the training one, and a memory budget too small, are refused on every rank before anything moves."""
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=dist.get_world_size()))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    batch = _rank_slice(_global_inputs(model, dist.get_world_size(), seed=7), dist.get_rank())
+    with torch.no_grad():
+        reference = model(**batch).logits
+        with hep.eval_layout(model, 1):
+            inside = [tuple(layer.expert_parameters()[0].shape) for layer in hep.state_of(model).layers]
+            logits = model(**batch).logits
+    messages = []
+    for ep, budget in ((3, None), (1, 1024)):
+        try:
+            with hep.eval_layout(model, ep, budget_bytes=budget):
+                pass
+        except hep.HybridEPConfigError as err:
+            messages.append(str(err))
+    return {"messages": messages, "unchanged": shapes == [tuple(p.shape) for p in model.parameters()],
+            "inside": inside, "logits_rel": _rel(logits, reference)}
