@@ -7,8 +7,12 @@
 
 With no arguments it runs the embedded demo: a tiny Qwen3-MoE built from
 ``scripts/demo_assets/config.json``, a byte-level BPE tokenizer trained on the spot, and the Python
-documentation topics that ship with every Python (``pydoc_data.topics``) as the corpus; it writes
-``runs/demo/``. Thin by design: argument parsing, data preparation, then library calls.
+documentation topics that ship with every Python (``pydoc_data.topics``) as the corpus, with the flags of
+``DEMO_ARGS``; it writes ``runs/demo/``. With any argument ``DEMO_ARGS`` do not apply (each flag not given takes
+its ordinary default), while the model, tokenizer and corpus still default to the demo's. After a failure,
+``--resume_from_checkpoint latest`` resumes from the newest complete checkpoint of ``--output_dir`` (a fresh start
+without one); ``hf-hybrid-ep launch`` reruns the whole command. Thin by design: argument parsing, data preparation,
+then library calls.
 """
 
 from __future__ import annotations
