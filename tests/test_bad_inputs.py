@@ -313,3 +313,12 @@ def test_trust_remote_code_flag_reaches_the_library(command: str, flag: bool, tm
             "plan": ["plan", "--model", "M", "--gpus", "2", "--gpu-memory-gib", "1"]}[command]
     assert cli(argv + (["--trust-remote-code"] if flag else [])) == 2
     assert seen == {"trust_remote_code": flag}
+
+
+def test_a_text_shorter_than_one_block_is_refused_by_name(tmp_path: Path) -> None:
+    """Known only after tokenizing (the tokenizer is trained or loaded first): one clear error, no checkpoint."""
+    text = _file(tmp_path, "corpus.txt", "a few words only\n")
+    with pytest.raises(HybridEPConfigError, match="fewer tokens than one block of --block_size 512"):
+        _train_script().main(["--train_file", str(text), "--block_size", "512", "--output_dir", str(tmp_path / "run"),
+                              "--max_steps", "1", "--report_to", "none"])
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

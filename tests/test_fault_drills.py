@@ -194,3 +194,24 @@ def test_the_launcher_rewrites_a_command_for_a_smaller_world(tmp_path):
     assert smaller_world(4, 2, ROOT / "scripts" / "demo_assets", 4.0) == (3, (3, 1))
     assert smaller_world(4, 2, None, None) == (3, None)
     assert smaller_world(4, 2, ROOT / "scripts" / "demo_assets", 1e-6) is None  # nothing fits
+
+
+def test_every_group_the_engine_creates_gets_the_collective_timeout(pools):
+    for r in pools(4).run(cases.group_timeouts, 1, 4, 45.0):  # each expert on 2 ranks: groups of holder sets
+        assert set(r["timeouts"].values()) == {45.0}, r
+        assert {"ep", "edp", "reduction", "holders"} <= set(r["timeouts"]), r
+        assert r["watchdog"] == 45.0, r
+
+
+def test_report_prints_its_summary_and_flags_steps_logged_twice(tmp_path, capsys):
+    from hf_hybrid_ep.cli import main as cli
+
+    layer = {"tokens_per_expert": [3, 1], "tokens_per_rank": [3, 1], "imbalance_expert": 1.5, "imbalance_rank": 1.5,
+             "dropped_fraction": 0.0, "dead_experts": 0}
+    log = tmp_path / "expert_load.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "layers": {"model.layers.0.mlp.experts": layer}}) + "\n"
+                           for s in (1, 2, 3, 2, 3, 4)))
+    assert cli(["report", str(log), "--out", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "6 records, steps 1–4, 1 MoE layers" in out and "model.layers.0.mlp.experts: 1.50 → 1.50" in out, out
+    assert "WARNING: step(s) [2, 3] logged more than once" in out, out

@@ -53,11 +53,23 @@ def test_nothing_fits_says_what_would(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["recommended"] is None and not any(p["fits"] for p in result["layouts"])
     assert "more GPUs of this size do not help" in result["advice"]["message"]
+    assert "nothing fits on 8 × 40 GiB" in result["advice"]["message"]  # the unit of --gpu-memory-gib
     for key in ("dp", "ep", "memory_per_gpu_bytes", "fits", "comm_bytes_per_step", "est_step_comm_s"):
         assert key in result["layouts"][0]
     # a model whose experts can be spread thinner: more GPUs do help
     more = plan(TINY, gpus=1, gpu_memory_gib=0.0013, seq_len=8)
     assert more["recommended"] is None and more["advice"]["gpus_needed"] in (2, 4)
+
+
+def test_the_text_states_its_units_and_the_gpus_per_node_it_assumes():
+    from hf_hybrid_ep.planning.planner import format_plan
+
+    text = format_plan(plan(TINY, gpus=4, gpu_memory_gib=1, seq_len=8))
+    assert "4 GPUs × 1 GiB" in text
+    assert "assumed: 8 GPUs per node (the default; give --topology gpus_per_node=N" in text
+    assert "memory in GiB (2^30 bytes), bandwidths in GB/s (10^9 bytes/s)" in text
+    given = format_plan(plan(TINY, gpus=4, gpu_memory_gib=1, seq_len=8, topology="gpus_per_node=2"))
+    assert "assumed: 2 GPUs per node (--topology gpus_per_node=2)" in given
 
 
 def test_topology_spec():

@@ -1,8 +1,10 @@
 """No step poisons the model: an optimizer step whose global gradient norm is NaN or inf is skipped on every rank.
 
-The global gradient norm (:func:`hf_hybrid_ep.clip_grad_norm_`, the Trainer's logged norm; computed here when a
-step comes without one) is the same number on every rank, so every rank takes the same decision without another
-collective. One process-wide optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
+The global gradient norm (:func:`hf_hybrid_ep.clip_grad_norm_`, which the Trainer always calls; in a loop of your
+own ``clip_grad_norm_(model, float("inf"))`` measures it without clipping) is the same number on every rank, so
+every rank takes the same decision without another collective; a step that comes without one is not checked (the
+optimizer step never issues a collective of its own: ranks that disagree on whether to step, as an fp16 loss
+scaler without agreement makes them, must not hang there). One process-wide optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
 applies it: before any optimizer that holds a parallelized model's parameters steps — whichever optimizer the
 user built — the gradients it would read are dropped when the step is skipped, so it changes nothing (no moment,
 no weight decay, no step count). A skip is counted (``state_of(model).skipped``) and logged on rank 0 with the
@@ -100,8 +102,9 @@ def new_gradients(model: nn.Module) -> None:
 
 
 def step_allowed(model: nn.Module) -> bool:
-    """Whether this step's optimizer steps may run: the global gradient norm is finite. Collective when no norm
-    was computed since the gradients changed (every rank steps its optimizer at the same point).
+    """Whether this step's optimizer steps may run: the global gradient norm computed since the gradients changed
+    is finite (``True`` when none was computed). Collective on the skip path only (naming the layers), which every
+    rank takes together.
 
     Raises:
         NonFiniteGradientError: on every rank, with ``on_nonfinite_grad="stop"`` or after
@@ -110,7 +113,9 @@ def step_allowed(model: nn.Module) -> bool:
     state = state_of(model)
     skipped = state.skipped
     if skipped.allowed is None:
-        norm = skipped.norm if skipped.norm is not None else float(state.reducer.global_grad_norm())
+        if skipped.norm is None:
+            return True
+        norm = skipped.norm
         skipped.allowed = math.isfinite(norm)
         if skipped.allowed:
             skipped.consecutive = 0

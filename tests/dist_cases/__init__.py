@@ -62,6 +62,7 @@ from .integrations import (
 )
 from .placement import (
     group_creation_calls,
+    group_timeouts,
     mesh_layout,
     parameter_bytes,
     rebalance_then_save,
@@ -124,6 +125,7 @@ __all__ = [
     "trainer_shadow_run",
     # placement
     "group_creation_calls",
+    "group_timeouts",
     "mesh_layout",
     "parameter_bytes",
     "rebalance_then_save",
