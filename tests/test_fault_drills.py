@@ -136,6 +136,7 @@ def test_a_killed_rank_is_recovered_by_the_launcher(pools, tmp_path):
     log = "".join(lines)
     assert killed and job.returncode == 0, log[-4000:]
     assert "attempt 1 failed with exit status" in log and "restarting the whole job" in log, log[-4000:]
+    assert "resume_from_checkpoint=latest: no complete checkpoint in" in log  # the first attempt: a fresh start
     resumed = next(line for line in log.splitlines() if "resume_from_checkpoint=latest: resuming from" in line)
     step = int(resumed.rsplit("checkpoint-", 1)[1])
     assert step >= 10, resumed

@@ -210,14 +210,14 @@ def trainer_resume_latest(output_dir: str, max_steps: int, drop: str | None = No
 
 
 def trainer_eval_layout(output_dir: str, eval_ep_degree: int | None) -> dict:
-    """The stock Trainer at dp 2 × ep 2 evaluating every 2 of 4 steps, at ``eval_ep_degree`` (``None``: the
+    """The stock Trainer at dp 2 × ep 2 evaluating after each of 2 steps, at ``eval_ep_degree`` (``None``: the
     training layout): training and evaluation losses, and the layout after the run."""
     import trainer_cases as tc
 
     from hf_hybrid_ep.integrations import HybridEPTrainer
 
     model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=2, ep_degree=2))
-    args = tc.arguments(output_dir, 2, 4, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    args = tc.arguments(output_dir, 2, 2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
     trainer = HybridEPTrainer(model=model, args=args, train_dataset=tc.dataset(), eval_dataset=tc.dataset(16),
                               eval_ep_degree=eval_ep_degree)
     trainer.train()
