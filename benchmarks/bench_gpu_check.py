@@ -24,8 +24,10 @@ b. ``experts_implementation`` -- transformers' experts implementation ``"hybrid_
    output and gradients (input, routing weights, expert weights) against ``"eager"`` in fp32 (same 2x rule;
    fp32 relative error <= 1e-5), and forward + backward time.
 c. ``engine`` -- ``hep.parallelize`` at world 1 (a one-rank NCCL process group on the GPU, so the mesh is a
-   CUDA one; no process group in ``--dry-run``, as the tests do) with dispatcher ``"torch"``, ``"triton"``
-   and ``"auto"`` (records which one auto-selection picked; ``"triton"`` expected on CUDA), ZeRO-1
+   CUDA one; no process group in ``--dry-run``, as the tests do) with dispatcher ``"torch"``, ``"triton"``,
+   ``"dedup"`` (its packed rows, fan-out and partial sums on the device; the Triton kernels serve the per-pair
+   layout only) and ``"auto"`` (records which one auto-selection picked; ``"triton"`` expected on CUDA at
+   world 1, where nothing crosses ranks), ZeRO-1
    (``optimizer_sharding="zero1"``, ``hep.make_optimizer``: fused AdamW), the bucketed gradient reducer,
    ``hep.clip_grad_norm_``, on a ~1.8 B-parameter Qwen3-MoE-shaped model in bf16 for a few steps: every
    parameter's first-step gradient against an fp32 reference, within 3x the distance of the reference computed
@@ -650,7 +652,7 @@ def section_engine(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     runs = {"without engine": reference_run(base, batches, sizes.device, ref_grads)}
     exact = ref_grads if dtype_name == "float32" else fp32_grads(base, batches[0])
     spread = {n: rel_err(ref_grads[n], exact[n]) for n in exact}
-    for dispatcher in ("torch", "triton", "auto"):
+    for dispatcher in ("torch", "triton", "dedup", "auto"):
         grads: dict = {}
         runs[dispatcher] = engine_run(base, dispatcher, batches, sizes, grads, from_cpu=dispatcher == "auto")
         runs[dispatcher]["first_step_grads"] = grad_check(grads, exact, spread)

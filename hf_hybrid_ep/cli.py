@@ -8,6 +8,7 @@ import sys
 
 from .checkpoint import convert_checkpoint, export_checkpoint
 from .checkpoint.inspect import format_summary, inspect_checkpoint
+from .config import DISPATCHER_BACKENDS
 from .errors import CheckpointError, HybridEPConfigError
 
 TRUST_REMOTE_CODE_HELP = ("run code the checkpoint's config names (auto_map); off by default: never run code "
@@ -86,11 +87,23 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--calibrate-seconds", type=float, default=10.0, help="time budget of --calibrate, in (0, 30]")
     p.add_argument("--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s for the "
                    "optimizer term (default 3350: H100 SXM)")
-    p.add_argument("--dispatcher", choices=["auto", "torch", "hierarchical"], default="auto",
-                   help="the token exchange to model, as HybridEPConfig.dispatcher (auto, like the engine: "
-                   "hierarchical where an EP group spans nodes, one row per token and expert elsewhere)")
+    p.add_argument("--dispatcher", choices=[b for b in DISPATCHER_BACKENDS if b != "triton"], default="auto",
+                   help="the token exchange to model, as HybridEPConfig.dispatcher (auto, like the engine: dedup — "
+                   "one row per token and destination — where it sends fewer bytes, one row per token and expert "
+                   "elsewhere)")
+    p.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank only: the base is "
+                   "frozen (weights only), gradients and optimizer state are the adapters'")
+    p.add_argument("--lora-target-modules", default=None, help="comma-separated dense modules (default: "
+                   "q_proj,k_proj,v_proj,o_proj)")
+    p.add_argument("--lora-target-parameters", default=None, help="comma-separated expert parameters (default: "
+                   "mlp.experts.gate_up_proj,mlp.experts.down_proj)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+
+
+def _names(value: str | None) -> list[str] | None:
+    """A comma-separated list of names (``None``: not given; ``""``: none)."""
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
 def _add_place_command(sub) -> None:
@@ -293,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                           device_flops=calibration["flops_per_s"] if calibration else (
                               None if args.device_tflops is None else args.device_tflops * 1e12),
                           efficiency=1.0 if calibration else args.efficiency, memory_gbps=args.memory_gbps,
-                          calibration=calibration, dispatcher=args.dispatcher)
+                          calibration=calibration, dispatcher=args.dispatcher, lora_r=args.lora_r,
+                          lora_target_modules=_names(args.lora_target_modules),
+                          lora_target_parameters=_names(args.lora_target_parameters))
             print(json.dumps(result, indent=1) if args.json else format_plan(result))
         elif args.command == "place":
             _place(args)

@@ -21,7 +21,7 @@ from .parallel.topology import Topology, ranks_per_node
 
 ENV_PREFIX = "HF_HYBRID_EP_"
 
-DISPATCHER_BACKENDS = ("auto", "torch", "triton", "hierarchical")
+DISPATCHER_BACKENDS = ("auto", "torch", "triton", "dedup")
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")
@@ -93,15 +93,16 @@ class HybridEPConfig:
         ep_degree: ranks an expert layer is sharded over (consecutive ranks). ``None``: the largest
             divisor of the world size that also divides the expert count and fits in one node
             (``LOCAL_WORLD_SIZE``).
-        dispatcher: token-exchange backend. ``"torch"`` (all_to_all_single; gloo and NCCL), ``"triton"``
-            (the same exchange with fused permute/unpermute-combine kernels; CUDA, or the CPU
-            interpreter with ``TRITON_INTERPRET=1``), ``"hierarchical"`` (when an EP group spans
-            nodes: each token crosses to a node once, to the rank with its local index there, and is
-            forwarded inside the node; the relays return one partial sum per node; inside one node it
-            is the torch path) or ``"auto"`` (hierarchical when the EP group spans nodes of the topology
-            or of ``LOCAL_WORLD_SIZE`` ranks, else Triton on CUDA when importable, else torch; the
-            choice and its reason are logged). A requested backend that cannot run is an error with the
-            reason.
+        dispatcher: token-exchange backend. ``"torch"`` (one row per (token, expert) pair with
+            all_to_all_single; gloo and NCCL), ``"triton"`` (the same exchange with fused permute /
+            unpermute-combine kernels; CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``),
+            ``"dedup"`` (one row per token and destination rank, carrying its routing weights; the
+            destination returns one partial sum per row; when an EP group spans nodes, a token crosses to
+            each node once, to the rank with its local index there, and is relayed inside the node the
+            same way) or ``"auto"`` (dedup wherever it sends fewer bytes: the EP group spans nodes of the
+            topology or of ``LOCAL_WORLD_SIZE`` ranks, or top-k ≥ 2 with more than one expert per rank;
+            else Triton on CUDA when importable, else torch; the choice and its reason are logged). A
+            requested backend that cannot run is an error with the reason.
         placement: ``"contiguous"`` (EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``), or an explicit
             table: a list over EP ranks of the global expert ids each rank holds, e.g.
             ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated. One table serves every

@@ -101,9 +101,11 @@ def log_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 def measure(model_type: str = "qwen3_moe", num_experts: int = 4, dp: int | None = None, ep: int | None = None,
-            optimizer_sharding: str = "none", dense_sharding: str = "replicate", **model_kwargs) -> dict[str, Any]:
+            optimizer_sharding: str = "none", dense_sharding: str = "replicate", lora_r: int | None = None,
+            **model_kwargs) -> dict[str, Any]:
     """Build a tiny model of a transformers family (random weights, nothing downloaded), take one AdamW step
-    under the given layout and sharding, and return measured and planned bytes for this rank.
+    under the given layout and sharding, and return measured and planned bytes for this rank. With ``lora_r``
+    only PEFT LoRA adapters of that rank train (on the default targets: attention and the experts).
 
     For benchmarks and the docs' table; run on every rank of an initialised process group (or alone).
     """
@@ -115,10 +117,19 @@ def measure(model_type: str = "qwen3_moe", num_experts: int = 4, dp: int | None 
     from .planning.counts import count_parameters, rank_state_bytes
 
     model = _tiny_model(model_type, num_experts, **model_kwargs)
+    counts = count_parameters(model.config)
+    if lora_r is not None:
+        from peft import LoraConfig, get_peft_model
+
+        from .moe.lora import DEFAULT_LORA_TARGETS
+        from .planning.counts import with_lora
+
+        counts = with_lora(counts, model.config, lora_r, **DEFAULT_LORA_TARGETS)
+        model = get_peft_model(model, LoraConfig(r=lora_r, **DEFAULT_LORA_TARGETS))
     config = HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding,
                             dense_sharding=dense_sharding)
     parallelize(model, config)
-    opt = make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    opt = make_optimizer(model, torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()
                         if dist.is_initialized() else 0))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -126,8 +137,8 @@ def measure(model_type: str = "qwen3_moe", num_experts: int = 4, dp: int | None 
     opt.step()
     report = memory_report(model, opt)
     mesh = state_of(model).mesh
-    planned = rank_state_bytes(count_parameters(model.config), mesh.dp_degree, mesh.ep_degree, mesh.rank,
-                               "fp32-adamw", optimizer_sharding, dense_sharding)
+    planned = rank_state_bytes(counts, mesh.dp_degree, mesh.ep_degree, mesh.rank, "fp32-adamw", optimizer_sharding,
+                               dense_sharding)
     report["grad_bytes_after_backward"] = grads
     report["planned"] = {k: planned[k] for k in ("weight_bytes", "grad_bytes", "optimizer_bytes")}
     return report

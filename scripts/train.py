@@ -1,6 +1,7 @@
 """Train a Mixture-of-Experts model with hybrid expert parallelism and the stock transformers Trainer.
 
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 scripts/train.py   # CPU demo
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 scripts/train.py --lora_r 8   # LoRA
     accelerate launch --num_processes 8 scripts/train.py --model_name_or_path Qwen/Qwen3-30B-A3B \
         --dataset_name wikitext --dataset_config_name wikitext-2-raw-v1 --hybrid_ep_config ep.yaml \
         --output_dir runs/qwen3 --bf16 --max_steps 1000
@@ -41,7 +42,12 @@ import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError
 from hf_hybrid_ep.config import HybridEPConfigError, read_yaml_mapping
 from hf_hybrid_ep.integrations import HybridEPTrainer
-from hf_hybrid_ep.integrations.plugin import HybridEPPlugin, check_optimizer_block, explicit_flags
+from hf_hybrid_ep.integrations.plugin import (
+    HybridEPPlugin,
+    check_optimizer_block,
+    check_peft_block,
+    explicit_flags,
+)
 
 TRAIN_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 ASSETS = Path(__file__).resolve().parent / "demo_assets"
@@ -97,9 +103,10 @@ def train_file_builder(path: str) -> str:
 
 def check_hybrid_ep_file(path: str) -> None:
     """Refuse a ``--hybrid_ep_config`` that is missing, not YAML (naming ``file:line:column``) or whose
-    ``optimizer`` is not a mapping, before any process group starts (the plugin reads it again later)."""
+    ``optimizer`` or ``peft`` is not a mapping, before any process group starts (the plugin reads it again later)."""
     block = read_yaml_mapping(path, "--hybrid_ep_config")
     check_optimizer_block(block.get("optimizer"), f"--hybrid_ep_config {path!r}")
+    check_peft_block(block.get("peft"), f"--hybrid_ep_config {path!r}")
 
 
 @dataclass
@@ -132,6 +139,25 @@ class HybridEPArguments:
     def __post_init__(self) -> None:
         if self.hybrid_ep_config is not None:
             check_hybrid_ep_file(self.hybrid_ep_config)
+
+
+@dataclass
+class LoraArguments:
+    lora_r: int | None = field(default=None, metadata={"help": "train LoRA adapters of this rank (base frozen)"})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA scaling numerator (PEFT's default: 8)"})
+    lora_target_modules: str | None = field(
+        default=None, metadata={"help": "comma-separated dense modules (default with --lora_r: q,k,v,o_proj)"})
+    lora_target_parameters: str | None = field(
+        default=None, metadata={"help": "comma-separated expert parameters (default with --lora_r: "
+                                        "mlp.experts.gate_up_proj,mlp.experts.down_proj)"})
+
+    def overrides(self) -> dict:
+        """``peft.LoraConfig`` fields given on the command line (over the YAML's ``peft:`` section)."""
+        def names(value: str | None) -> list[str] | None:
+            return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+        return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "target_modules": names(self.lora_target_modules),
+                "target_parameters": names(self.lora_target_parameters)}
 
 
 def demo_corpus() -> Dataset:
@@ -171,14 +197,20 @@ def pack(dataset: Dataset, tokenizer, block_size: int, text_column: str) -> Data
     return tokenized.map(group, batched=True, remove_columns=tokenized.column_names, desc="pack")
 
 
-def build_model(args: ModelArguments, plugin: HybridEPPlugin, seed: int):
+def build_model(args: ModelArguments, plugin: HybridEPPlugin, seed: int, lora=None):
+    """The parallelized model; with ``lora`` (a ``peft.LoraConfig``) a ``PeftModel`` training only its adapters."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype or "")
     if args.model_name_or_path is None:
         torch.manual_seed(seed)  # identical on every rank
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS))
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
         return hep.parallelize(model, plugin.config)
     # Hub id, local HF checkpoint or hybrid-EP checkpoint: each rank reads dense weights and its experts.
-    return hep.from_pretrained(args.model_name_or_path, plugin.config, dtype=dtype)
+    torch.manual_seed(seed)  # fresh adapters: identical on every rank
+    return hep.from_pretrained(args.model_name_or_path, plugin.config, dtype=dtype, peft_config=lora)
 
 
 def summary(trainer, metrics: dict, model, block_size: int) -> None:
@@ -217,8 +249,8 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available() and not any(a.split("=")[0] == "--use_cpu" for a in argv):
         argv = [*argv, "--use_cpu"]  # decided before TrainingArguments sets up the devices and the process group
     started_here = not dist.is_initialized()
-    parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, TrainingArguments))
-    model_args, data_args, ep_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, LoraArguments, TrainingArguments))
+    model_args, data_args, ep_args, lora_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
                     "device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing")
     engine_flags += ("shadow_experts", "shadow_capacity")
@@ -227,6 +259,7 @@ def main(argv: list[str]) -> None:
         ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}
     )
     plugin.apply_to(training_args, explicit=explicit_flags(argv))
+    lora = plugin.lora_config(lora_args.overrides())
 
     if data_args.dataset_name:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")
@@ -252,7 +285,7 @@ def main(argv: list[str]) -> None:
         raise HybridEPConfigError(f"the training text holds fewer tokens than one block of --block_size "
                                   f"{data_args.block_size}: give more text or a smaller --block_size")
 
-    model = build_model(model_args, plugin, training_args.seed)
+    model = build_model(model_args, plugin, training_args.seed, lora)
     trainer = HybridEPTrainer(
         model=model,
         args=training_args,

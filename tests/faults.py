@@ -97,12 +97,16 @@ class _Inject:
 
     @staticmethod
     def routing_weights_twice(state, undo: list) -> None:
+        # the weights reach the per-pair exchange in its combine, the deduplicated one in its dispatch
         for layer in state.layers:
             dispatcher = layer.dispatcher
-            real = dispatcher.combine
+            real_dispatch, real_combine = dispatcher.dispatch, dispatcher.combine
 
-            def combine(expert_out, top_k_weights, handle, *args, _real=real, **kwargs):
-                return _real(expert_out, top_k_weights * top_k_weights, handle, *args, **kwargs)
+            def dispatch(hidden, plan, top_k_weights, _real=real_dispatch):
+                return _real(hidden, plan, top_k_weights * top_k_weights)
 
-            dispatcher.combine = combine
-            undo.append(lambda d=dispatcher: delattr(d, "combine"))
+            def combine(expert_out, top_k_weights, plan, *args, _real=real_combine, **kwargs):
+                return _real(expert_out, top_k_weights * top_k_weights, plan, *args, **kwargs)
+
+            dispatcher.dispatch, dispatcher.combine = dispatch, combine
+            undo.append(lambda d=dispatcher: delattr(d, "dispatch") or delattr(d, "combine"))

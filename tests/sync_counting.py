@@ -207,7 +207,8 @@ def pipelined_backward_order(degree: int = 3) -> list[str]:
 
     torch.manual_seed(0)
     model = build_tiny_model("qwen3_moe", num_experts=4)
-    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size(), overlap_degree=degree))
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size(), overlap_degree=degree,
+                                              dispatcher="torch"))
     layer = hep.state_of(model).layers[0]
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(24, model.config.hidden_size, generator=g, requires_grad=True)

@@ -111,26 +111,35 @@ def test_gradient_checkpointing_recomputes_the_exchange(pools):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_bf16_forward(pools, family):
-    # DeepSeek-V3 and GPT-OSS pass fp32 routing weights with bf16 hidden states; the combine must
+    # DeepSeek-V3 and GPT-OSS pass fp32 routing weights with bf16 hidden states; the per-pair combine must
     # weight and sum in the same dtypes as transformers. Bound: the parity criterion's safety factor times
     # the measured bf16 spread of equally correct single-process computations (this rank's sequences
-    # alone; the experts through batched_mm).
+    # alone; the experts through batched_mm). The deduplicated exchange rounds its partial sums once more
+    # (tests/test_dedup_dispatch.py::test_bf16_forward).
     import torch
 
-    for r in pools(2).run(cases.forward_parity, family, 4, torch.bfloat16):
+    for r in pools(2).run(cases.forward_parity, family, 4, torch.bfloat16, "torch"):
         assert r["rel"] <= parity.SAFETY * r["spread"], r
 
 
-@pytest.mark.parametrize(("family", "overlap_degree"), [("qwen3_moe", 1), ("gpt_oss", 2)])
-def test_autocast_over_fp32_weights_exchanges_and_computes_in_bf16(pools, family, overlap_degree):
+@pytest.mark.parametrize(("family", "overlap_degree", "dispatcher"),
+                         [("qwen3_moe", 1, "torch"), ("gpt_oss", 2, "torch"), ("qwen3_moe", 1, "dedup"),
+                          ("gpt_oss", 2, "dedup")])
+def test_autocast_over_fp32_weights_exchanges_and_computes_in_bf16(pools, family, overlap_degree, dispatcher):
     # The usual --bf16 run: fp32 weights under torch.autocast. Rows travel in bf16 (2·H bytes, in every
-    # exchange of forward and backward), the experts' grouped GEMMs run in bf16, gradients land in the fp32
-    # parameters, and every gradient is within the safety factor times the measured bf16 round-off of the
-    # fp32 reference (the same model under autocast in one process, every expert GEMM in bf16).
-    for r in pools(2).run(cases.autocast_parity, family, 2, 4, overlap_degree=overlap_degree):
+    # exchange of forward and backward; the deduplicated rows carry their k fp32 routing weights and int16
+    # keys too, and the weights' gradients back), the experts' grouped GEMMs run in bf16, gradients land in
+    # the fp32 parameters, and every gradient is within the safety factor times the measured bf16 round-off
+    # of the fp32 reference (the same model under autocast in one process, every expert GEMM in bf16).
+    for r in pools(2).run(cases.autocast_parity, family, 2, 4, overlap_degree=overlap_degree, dispatcher=dispatcher):
         assert r["gemm_dtypes"] == ["bfloat16"], r["gemm_dtypes"]
-        assert r["row_bytes"] == dict.fromkeys(("dispatch", "combine", "dispatch_backward", "combine_backward"),
-                                               [2 * r["hidden"]]), r["row_bytes"]
+        rows, k = 2 * r["hidden"], r["top_k"]
+        want = dict.fromkeys(("dispatch", "combine", "dispatch_backward", "combine_backward"), [rows])
+        if dispatcher == "dedup":  # the routing weights in the router's dtype: bf16 (Qwen3) or fp32 (GPT-OSS)
+            weight = (r["row_bytes"]["dispatch_backward"][0] - rows) // k
+            assert weight in (2, 4), r["row_bytes"]
+            want.update(dispatch=[rows + k * (weight + 2)], dispatch_backward=[rows + k * weight])
+        assert r["row_bytes"] == want, r["row_bytes"]
         assert r["grad_dtypes"] == ["torch.float32"]
         loss, loss_spread = r["loss"]
         assert loss <= max(parity.SAFETY * loss_spread, parity.REL_TOL), r["loss"]

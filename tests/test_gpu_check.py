@@ -64,14 +64,15 @@ def test_dry_run_every_section_ok_within_tolerance(dry_run):
     _assert_equalities(sections["b_experts_implementation"]["runs"], 1e-5)
 
     engine = sections["c_engine"]
-    assert set(engine["runs"]) == {"without engine", "torch", "triton", "auto"}
+    assert set(engine["runs"]) == {"without engine", "torch", "triton", "dedup", "auto"}
     for name, run in engine["runs"].items():
         assert run["loss_tol"] == 1e-5 and run["max_loss_rel_err"] <= 1e-5, (name, run["losses"])
-    assert [engine["runs"][d]["dispatcher_selected"] for d in ("torch", "triton", "auto")] == ["torch", "triton", "torch"]
+    assert [engine["runs"][d]["dispatcher_selected"] for d in ("torch", "triton", "dedup", "auto")] == [
+        "torch", "triton", "dedup", "torch"]
     assert all(engine["runs"][d]["optimizer"] == "ShardedAdamW" and engine["runs"][d]["fused"]
-               for d in ("torch", "triton", "auto"))
+               for d in ("torch", "triton", "dedup", "auto"))
     assert "NCCL" in engine["nccl"] and engine["zero1_state_elements_ok"]
-    for d in ("torch", "triton", "auto"):  # every parameter's first-step gradient, not a loss tolerance
+    for d in ("torch", "triton", "dedup", "auto"):  # every parameter's first-step gradient, not a loss tolerance
         grads = engine["runs"][d]["first_step_grads"]
         assert grads["parameters"] > 20 and grads["violations"] == grads["missing"] == [], grads
         assert grads["worst_rel"] <= grads["worst_bound"] == 1e-5, grads

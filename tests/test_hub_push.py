@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -86,3 +87,32 @@ def test_rank_local_load_from_a_hub_repo_fetches_only_own_files(hub, pools, tmp_
     assert hub.requested.count("model-experts-rank000-of-002.safetensors") == 1
     assert hub.requested.count("model-experts-rank001-of-002.safetensors") == 1
     assert hub.requested.count("model-dense-00001-of-00001.safetensors") == 2
+
+
+@pytest.mark.slow
+def test_push_a_lora_adapter_with_a_model_card(hub, tmp_path):
+    # save_pretrained of a parallelized PeftModel, pushed: PEFT's files and a card naming the base model and
+    # the LoRA targets.
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import dist_cases as cases
+import hf_hybrid_ep as hep
+model, _ = cases.lora_pair("qwen3_moe", 4)
+model.get_base_model().name_or_path = "org/tiny-qwen3-moe"  # what from_pretrained records
+hep.parallelize(model)
+model.save_pretrained({str(tmp_path / "adapter")!r})
+hep.push_to_hub({str(tmp_path / "adapter")!r}, "tester/tiny-qwen3-moe-lora")
+"""
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN,
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert TOKEN not in run.stdout + run.stderr
+    files = hub.files["tester/tiny-qwen3-moe-lora"]
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= set(files)
+    card = files["README.md"].decode()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == "org/tiny-qwen3-moe" and front["library_name"] == "peft"
+    assert "`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`" in card or "`mlp.experts.down_proj`, `mlp.experts.gate_up_proj`" in card
+    assert "`q_proj`, `v_proj`" in card and "rank / alpha | 4 / 8" in card

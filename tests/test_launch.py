@@ -47,3 +47,35 @@ def test_accelerate_launch_trains_and_saves(tmp_path):
 
     assert cli(["report", str(out / "expert_load.jsonl"), "--out", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / "expert_load_heatmap.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_accelerate_launch_trains_lora_adapters(tmp_path):
+    # --lora_r on the command line, lora_alpha and the dense targets from the YAML's peft: section, the expert
+    # targets by default: checkpoints hold PEFT's adapter files (every expert) and the adapters' optimizer state.
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    (tmp_path / "ep.yaml").write_text("hybrid_ep:\n  ep_degree: 2\n  peft: {lora_alpha: 16, target_modules: [q_proj, v_proj]}\n")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "scripts" / "train.py"),
+        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--learning_rate", "1e-2", "--logging_steps", "1", "--save_steps", "4", "--report_to", "none",
+        "--block_size", "32", "--hybrid_ep_config", str(tmp_path / "ep.yaml"), "--lora_r", "4",
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = out / "checkpoint-4"
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 16)
+    assert set(config["target_modules"]) == {"q_proj", "v_proj"}
+    assert set(config["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert not list(checkpoint.glob("model*.safetensors"))
+    with safe_open(checkpoint / "adapter_model.safetensors", "pt") as f:
+        shape = f.get_slice("base_model.model.model.layers.0.mlp.experts.lora_A.weight").get_shape()
+    assert shape == [8 * 4, 32]  # every expert of the demo's 8 (down_proj: in = moe_intermediate_size)
+    with safe_open(checkpoint / "optimizer.safetensors", "pt") as f:
+        assert all(".lora_" in key for key in f.keys())

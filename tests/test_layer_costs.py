@@ -1,6 +1,7 @@
 """One MoE layer = one counts exchange + the token exchanges, inside the EP group, and one host read.
 
-Counted for one layer's forward and backward at (dp, ep) = (2, 2) with the torch and Triton dispatchers:
+Counted for one layer's forward and backward at (dp, ep) = (2, 2) with each dispatcher (and the deduplicated one
+with EP over two nodes):
 collectives per process group (``torch.distributed`` wrapped), and the ATen ops that synchronise the host
 with a CUDA device (under a ``TorchDispatchMode``; tests/sync_counting.py). Neither direction runs a
 collective over the world; the forward reads the host once (the counts), the backward never.
@@ -25,10 +26,16 @@ def test_one_counts_exchange_and_one_host_read_per_layer(pools, dispatcher, over
 
 
 @pytest.mark.parametrize("overlap_degree", [1, 2])
-def test_hierarchical_layer_keeps_one_counts_exchange_and_one_host_read(pools, overlap_degree):
+def test_deduplicated_layer_keeps_one_counts_exchange_and_one_host_read(pools, overlap_degree):
     # ep 4 over 2 nodes: the counts over the EP group; per chunk and direction one exchange between the
-    # nodes (stage 1) and one inside the node (stage 2)
-    for r in pools(4).run(sync_counting.layer_costs, "hierarchical", 1, overlap_degree, "gpus_per_node=2"):
+    # nodes (stage A) and one inside the node (stage B); inside one node the same as one row per pair
+    for r in pools(4).run(sync_counting.layer_costs, "dedup", 2, overlap_degree):
+        assert r["grads"]
+        assert r["forward"]["collectives"] == {"all_to_all_single@ep": 1 + 2 * overlap_degree}, r
+        assert r["backward"]["collectives"] == {"all_to_all_single@ep": 2 * overlap_degree}, r
+        assert r["forward"]["syncs"] == {"Tensor.tolist": 1}, r
+        assert r["backward"]["syncs"] == {}, r
+    for r in pools(4).run(sync_counting.layer_costs, "dedup", 1, overlap_degree, "gpus_per_node=2"):
         assert r["grads"]
         chunks = overlap_degree
         assert r["forward"]["collectives"] == {"all_to_all_single@ep": 1, "all_to_all_single@inter": 2 * chunks,

@@ -28,6 +28,7 @@ def test_wheel_carries_the_package_data_and_no_tests(tmp_path):
         names = archive.namelist()
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "hf_hybrid_ep/model_cards/hybrid_ep_model_card.md" in names
+    assert "hf_hybrid_ep/model_cards/lora_adapter_model_card.md" in names
     assert any(n.startswith("hf_hybrid_ep/known_configs/") and n.endswith(".json") for n in names)
     for sub in ("parallel", "moe", "dispatch", "checkpoint", "planning", "inference", "integrations"):
         assert f"hf_hybrid_ep/{sub}/__init__.py" in names, sub

@@ -281,26 +281,33 @@ def test_calibrate_is_short_and_says_links_come_from_the_spec(tmp_path: Path, ca
         format_plan(result)
 
 
-def test_hierarchical_dispatcher_terms_match_a_hand_computation(capsys: pytest.CaptureFixture[str]) -> None:
-    # Qwen3-30B-A3B, pure EP 16 over 2 nodes of 8: a node holds 64 of the 128 experts, so a token's 8 experts
-    # miss it with probability C(64, 8)/C(128, 8); one row per token and other node instead of one per pair
+def test_deduplicated_dispatcher_terms_match_a_hand_computation(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen3-30B-A3B, pure EP 16 over 2 nodes of 8: a node holds 64 of the 128 experts, a rank 8, so a token's 8
+    # experts miss a node with probability C(64, 8)/C(128, 8) and a rank with C(120, 8)/C(128, 8); one row per
+    # token and other node across, one per token and rank (but the relay's own) inside, instead of one per pair
     m = counts("Qwen/Qwen3-30B-A3B")
     T, H, L, k, b = TOKENS // 16, m.hidden, m.moe_layers, m.top_k, 2
-    p = 1 - math.comb(64, 8) / math.comb(128, 8)
+    node = 1 - math.comb(64, 8) / math.comb(128, 8)
+    rank = 1 - math.comb(120, 8) / math.comb(128, 8)
+    row = L * (4 * H * b + k * ((b + 2) + b))  # activations in 4 exchanges; weights and keys, weight gradients
     s = predict_step_time(m, 1, 16, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, device_flops=PEAK,
-                          efficiency=0.4, dispatcher="hierarchical")
-    assert s.dispatcher == "hierarchical"
-    assert s.a2a_bytes["inter_node"] == pytest.approx(p * T * L * (4 * H * b + k * ((b + 2) + b)), rel=1e-12)
-    assert s.a2a_bytes["intra_node"] == pytest.approx(k * T * H * b * L * 4 * 7 / 8, rel=1e-12)
+                          efficiency=0.4, dispatcher="dedup")
+    assert s.dispatcher == "dedup"
+    assert s.a2a_bytes["inter_node"] == pytest.approx(node * T * row, rel=1e-12)
+    assert s.a2a_bytes["intra_node"] == pytest.approx(rank * T * row * (16 - 2), rel=1e-12)
     assert s.a2a_s == pytest.approx(s.a2a_bytes["intra_node"] / NVLINK + s.a2a_bytes["inter_node"] / NIC, rel=1e-12)
     plain = predict_step_time(m, 1, 16, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, device_flops=PEAK,
                               efficiency=0.4)
     assert plain.dispatcher == "torch" and plain.a2a_bytes["inter_node"] == pytest.approx(k * T * H * b * L * 4 / 2)
     assert s.a2a_bytes["inter_node"] / plain.a2a_bytes["inter_node"] == pytest.approx(0.25, abs=0.002)
+    # EP 8 inside a node with 16 experts per rank and top-8: one row per token and other rank
     auto = predict_step_time(m, 2, 8, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, dispatcher="auto")
-    assert auto.dispatcher == "torch"  # EP 8 inside a node: nothing to deduplicate
+    one_rank = 1 - math.comb(112, 8) / math.comb(128, 8)
+    assert auto.dispatcher == "dedup" and auto.a2a_bytes["inter_node"] == 0
+    assert auto.a2a_bytes["intra_node"] == pytest.approx(one_rank * (TOKENS // 16) * row * 7, rel=1e-12)
     assert cli(PLAN[:-2] + ["--json"]) == 0  # plan's default, auto, mirrors the engine
     layouts = {(q["dp"], q["ep"]): q["step_time"] for q in json.loads(capsys.readouterr().out)["layouts"]}
-    assert layouts[(1, 16)]["dispatcher"] == "hierarchical" and layouts[(2, 8)]["dispatcher"] == "torch"
+    assert layouts[(1, 16)]["dispatcher"] == "dedup" and layouts[(2, 8)]["dispatcher"] == "dedup"
+    assert layouts[(16, 1)]["dispatcher"] == "torch"
     assert cli(PLAN[:-2]) == 0
-    assert "node-deduplicated (hierarchical) for 1 × 16, where the EP group spans nodes" in capsys.readouterr().out
+    assert "one row per token and destination node and rank for " in capsys.readouterr().out

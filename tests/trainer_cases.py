@@ -64,3 +64,13 @@ def reference_eval_loss(output_dir: str, num: int) -> float:
     trainer = Trainer(model=model(), args=arguments(output_dir, 2, 1, per_device_eval_batch_size=2),
                       eval_dataset=dataset(num))
     return trainer.evaluate()["eval_loss"]
+
+
+def reference_lora_losses(output_dir: str, world: int, peft_config, per_rank: int = 2, max_steps: int = 6) -> list[float]:
+    """One process training the same PeftModel with PEFT's own code path on the global batches."""
+    from peft import get_peft_model
+
+    args = arguments(output_dir, world * per_rank, max_steps)
+    trainer = Trainer(model=get_peft_model(model(), peft_config), args=args, train_dataset=dataset())
+    trainer.train()
+    return losses(trainer)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from hf_hybrid_ep.dispatch.gathers import inverse_permutation
+
 
 def cuda_seconds(fn: Callable[[], object], reps: int = 20) -> float:
     """Median seconds of one call of ``fn`` on the current CUDA stream (``torch.cuda.Event`` timing, one
@@ -33,8 +35,7 @@ def routed_batch(tokens: int, hidden: int, k: int, experts: int, device: torch.d
     g = torch.Generator(device=device).manual_seed(seed)
     index = torch.randint(0, experts, (tokens, k), device=device, generator=g)
     _, order = torch.sort(index.reshape(-1), stable=True)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=device)
+    position = inverse_permutation(order)
     return {
         "x": torch.randn(tokens, hidden, device=device, dtype=torch.float32, generator=g).to(dtype),
         "index": index,

@@ -243,10 +243,7 @@ def _check_space(index: CheckpointIndex, tmp: Path, file_map: dict[str, list[Ten
 def _source_record(src_dir: Path, source: dict[str, Any], index: CheckpointIndex) -> dict[str, Any]:
     """Where the weights came from: the Hub id and commit, or a folder *name* (never a local path)."""
     if index.hybrid_ep is not None and index.hybrid_ep.source:
-        recorded = dict(index.hybrid_ep.source)
-        if "path" in recorded:  # written by an older version
-            recorded = {"folder": Path(recorded.pop("path")).name, **recorded}
-        return recorded
+        return dict(index.hybrid_ep.source)
     return source
 
 

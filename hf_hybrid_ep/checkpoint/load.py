@@ -21,12 +21,15 @@ import torch
 from torch import nn
 
 from ..config import HybridEPConfig
+from ..engine.adapters import is_peft_model
 from ..engine.failures import agree_on_failure
 from ..engine.state import state_of
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HybridEPConfigError
+from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts
 from ..parallel.devices import rank_device
 from ..parallel.mesh import default_device_type
+from .adapters import adapter_directory, check_fresh_init, init_adapters_, load_adapter_
 from .atomic import open_checkpoint
 from .convert import hub_metadata
 from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
@@ -63,13 +66,20 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
 
 
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model itself (inside a ``PeftModel``, the model PEFT wrapped)."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, _Target]:
-    """Map every model tensor this rank needs to the checkpoint keys it is made of."""
+    """Map every model tensor this rank needs to the checkpoint keys it is made of (tensor names as the
+    checkpoint's model has them: inside a ``PeftModel``, without PEFT's wrappers)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
+    model = _transformers_model(model)
     converters = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
-    by_module = {layer.name: layer for layer in layers}
+    by_module = {unwrapped_name(layer.name): layer for layer in layers}
     targets: dict[str, _Target] = defaultdict(_Target)
     for key, (name, pattern) in sorted(model_tensor_names(model, weight_map).items()):
         module_name, _, param = name.rpartition(".")
@@ -147,6 +157,18 @@ def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> 
     return next(iter(collected.values()))
 
 
+def _checkpoint_named(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor], dict[str, str]]:
+    """The model's parameters and buffers by the names its checkpoint gives them (inside a ``PeftModel``: without
+    PEFT's prefix and wrapper components), and each such name's name in the model."""
+    peft = is_peft_model(model)
+    rename = unwrapped_name if peft else str
+    params = {rename(n): p for n, p in model.named_parameters(remove_duplicate=False)
+              if not (peft and ".lora_" in n)}  # adapters are not the base checkpoint's
+    buffers = {rename(n): b for n, b in model.named_buffers()}
+    named = {rename(n): n for n, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    return params, buffers, named
+
+
 def load_rank_local_(
     root: Path,
     model: nn.Module,
@@ -173,8 +195,7 @@ def load_rank_local_(
     dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
     targets = rank_local_targets(model, layers, dequantizer.weight_map(weight_map))
     reader = _Reader(root, weight_map, fetch, verifier, dequantizer)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers())
+    params, buffers, named = _checkpoint_named(model)
     unexpected = sorted(set(targets) - set(params) - set(buffers))
     if unexpected:
         logger.warning("checkpoint tensors with no model parameter (ignored): %s", unexpected[:10])
@@ -182,7 +203,7 @@ def load_rank_local_(
         for name, target in sorted(targets.items()):
             if name not in params and name not in buffers:
                 continue
-            value = _assemble(name, target, reader, model)
+            value = _assemble(name, target, reader, _transformers_model(model))
             current = params.get(name, buffers.get(name))
             if tuple(value.shape) != tuple(current.shape):
                 raise CheckpointError(
@@ -197,7 +218,7 @@ def load_rank_local_(
                 continue
             if dtype is not None and value.dtype.is_floating_point:
                 value = value.to(dtype)
-            module_name, _, leaf = name.rpartition(".")
+            module_name, _, leaf = named[name].rpartition(".")
             module = model.get_submodule(module_name)
             module._parameters[leaf] = nn.Parameter(value.to(device) if device is not None else value,
                                                     requires_grad=current.requires_grad)
@@ -286,18 +307,41 @@ def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[st
     if all(PlacementTable.from_rows(num_experts, rows).is_contiguous() for rows in tables):
         return config
     rows = len(tables[0])
-    world = world_size()
-    if config.ep_degree is not None:
+    try:  # the EP degree the run will have, as parallelize resolves it with this placement
+        _, ep = dataclasses.replace(config, placement=stored).resolve(world_size(), num_experts)
+    except HybridEPConfigError:  # the placement cannot serve the requested or derived degree
         ep = config.ep_degree
-    elif config.dp_degree is not None:
-        ep = world // config.dp_degree
-    else:
-        ep = rows if world % rows == 0 else None
     if ep != rows:
         logger.warning("the checkpoint's placement is for ep_degree=%d; loading at ep_degree=%s lays the "
                        "experts out contiguously (reshard with --placement to keep a placement)", rows, ep)
         return config
     return dataclasses.replace(config, placement=stored)
+
+
+def _with_peft(model: nn.Module, peft_config, adapter, is_trainable: bool) -> tuple[nn.Module, Path | None]:
+    """``model`` (on the meta device) under PEFT for ``peft_config`` or for the config of the adapter directory
+    ``adapter`` (then also returned), with every adapter parameter on the meta device: nothing is drawn."""
+    if peft_config is None and adapter is None:
+        return model, None
+    if peft_config is not None and adapter is not None:
+        raise HybridEPConfigError("pass peft_config or adapter, not both: an adapter directory carries its config")
+    import copy
+
+    from peft import PeftConfig, get_peft_model
+
+    directory = None
+    if getattr(peft_config, "modules_to_save", None):
+        raise HybridEPConfigError("from_pretrained with PEFT does not load modules_to_save; apply get_peft_model to "
+                                  "a model in memory and parallelize it")
+    if adapter is not None:
+        directory = adapter_directory(adapter)
+        peft_config = PeftConfig.from_pretrained(directory)
+        peft_config.inference_mode = not is_trainable
+    else:
+        check_fresh_init(peft_config)
+        peft_config = copy.deepcopy(peft_config)  # PEFT rewrites targets in place
+    with torch.device("meta"):
+        return get_peft_model(model, peft_config), directory
 
 
 def from_pretrained(
@@ -308,8 +352,16 @@ def from_pretrained(
     revision: str | None = None,
     verify: bool | None = None,
     trust_remote_code: bool = False,
+    peft_config=None,
+    adapter: str | os.PathLike[str] | None = None,
+    is_trainable: bool = False,
 ) -> nn.Module:
     """Build a hybrid-EP model reading only dense tensors and this rank's experts.
+
+    With ``peft_config`` (a ``peft.LoraConfig``) the model returned is a ``PeftModel`` with fresh adapters
+    (:func:`hf_hybrid_ep.checkpoint.adapters.init_adapters_`); with ``adapter`` (a PEFT adapter directory or Hub
+    repo id) one with that adapter, of whose expert factors a rank reads only its own experts' (trainable
+    with ``is_trainable``, as ``PeftModel.from_pretrained``). Base weights are frozen.
 
     ``path`` is a hybrid-EP or plain safetensors checkpoint directory, or a Hub repo id. The model is
     created with parameters on the meta device, sharded by :func:`hf_hybrid_ep.parallelize`, and then
@@ -347,11 +399,19 @@ def from_pretrained(
     config = with_checkpoint_placement(config or HybridEPConfig(), root)
     verifier = open_checkpoint(root, verify=config.verify_checksums if verify is None else verify,
                                local=fetch is None)
-    model = build_meta_model(hf_config, trust_remote_code)
+    hf_config._name_or_path = str(path)  # what a PEFT adapter saved from this model names as its base
+    model, adapter_dir = _with_peft(build_meta_model(hf_config, trust_remote_code), peft_config, adapter,
+                                    is_trainable)
     device = rank_device(default_device_type())  # each tensor goes there as it is read
-    parallelize(model, config,
-                materialize=lambda m, layers: load_rank_local_(root, m, layers, dtype, fetch, verifier, quantization,
-                                                               device))
+
+    def materialize(m: nn.Module, layers: list[ShardedExperts]) -> None:
+        if adapter_dir is not None:
+            load_adapter_(m, layers, adapter_dir, device=device)
+        elif peft_config is not None:
+            init_adapters_(m, layers, device=device)
+        load_rank_local_(root, m, layers, dtype, fetch, verifier, quantization, device)
+
+    parallelize(model, config, materialize=materialize)
     load_side_state(model, root, verifier)
     model.eval()
     return model

@@ -1,15 +1,16 @@
 """Token dispatchers: one contract (:mod:`hf_hybrid_ep.dispatch.protocol`), several backends, chosen once.
 
-A backend is selected by name (``"torch"``, ``"triton"``, ``"hierarchical"``) or by ``"auto"`` (the best
-one for the device and the EP group's place in the topology). A requested backend that is missing is an
-error, never a silent fallback. Adding a backend: docs/architecture.md, "Where to add …".
+A backend is selected by name (``"torch"`` and ``"triton"``: one row per (token, expert) pair; ``"dedup"``: one
+row per token and destination) or by ``"auto"`` (the one that sends fewer bytes here, see
+:func:`resolve_backend`). A requested backend that is missing is an error, never a silent fallback. Adding a
+backend: docs/architecture.md, "Where to add …".
 """
 
 from __future__ import annotations
 
 from ..config import DISPATCHER_BACKENDS
 from ..errors import HybridEPConfigError
-from .hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
+from .dedup import DedupDispatcher, DedupGroups, dedup_groups
 from .protocol import CombineInFlight, Dispatcher, DispatchPlan, LocalPairs, Received, SideChannel
 from .stats import CommStats, PhaseCounters
 from .table import PlacementTable
@@ -17,29 +18,24 @@ from .torch_backend import TorchDispatcher, TorchPlan
 from .triton_backend import TritonDispatcher, triton_unavailable_reason
 
 # Every backend by its name (the choices of HybridEPConfig.dispatcher are config.DISPATCHER_BACKENDS: these and "auto").
-BACKENDS = {cls.name: cls for cls in (TorchDispatcher, TritonDispatcher, HierarchicalDispatcher)}
+BACKENDS = {cls.name: cls for cls in (TorchDispatcher, TritonDispatcher, DedupDispatcher)}
 
 
-def resolve_backend(name: str, device_type: str = "cpu", nodes: int = 1) -> tuple[str, str]:
+def resolve_backend(name: str, device_type: str = "cpu", *, ep_degree: int = 1, nodes: int = 1, top_k: int = 1,
+                    slots_per_rank: int = 1) -> tuple[str, str]:
     """The concrete backend for ``name`` and why it was chosen; raise, with the reason, for a requested
     backend that cannot run here.
 
-    ``"auto"``: ``hierarchical`` when an EP group spans ``nodes > 1`` nodes (each token crosses to a node
-    once), else Triton on CUDA when importable, else torch. ``"hierarchical"`` inside one node is the
-    torch path (there is nothing to deduplicate).
+    ``"auto"`` picks ``dedup`` wherever it sends fewer bytes than one row per pair: when an EP group spans
+    ``nodes > 1`` nodes, or when a token can have several of its ``top_k`` experts on one rank (``top_k ≥ 2``
+    and ``slots_per_rank ≥ 2``); otherwise the per-pair exchange, with the Triton kernels on CUDA when
+    importable (they serve the per-pair layout only).
     """
     if name not in DISPATCHER_BACKENDS:
-        raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: {sorted(BACKENDS)}")
-    if name in ("auto", "hierarchical") and nodes > 1:
-        why = "requested" if name == "hierarchical" else "auto"
-        return "hierarchical", (f"{why}: the EP group spans {nodes} nodes, so each token is sent once per "
-                                "destination node and forwarded inside it")
-    if name == "hierarchical":
-        return "torch", "hierarchical requested, but the EP group lies inside one node: the plain all-to-all"
+        raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: "
+                                  f"{list(DISPATCHER_BACKENDS)}")
     if name == "auto":
-        if device_type == "cuda" and triton_unavailable_reason(device_type) is None:
-            return "triton", "auto: CUDA with Triton importable"
-        return "torch", "auto: the EP group lies inside one node" + ("" if device_type == "cuda" else ", no CUDA")
+        return _auto(device_type, ep_degree, nodes, top_k, slots_per_rank)
     if name == "triton":
         reason = triton_unavailable_reason(device_type)
         if reason is not None:
@@ -47,22 +43,40 @@ def resolve_backend(name: str, device_type: str = "cpu", nodes: int = 1) -> tupl
     return name, "requested"
 
 
-def choose_backend(name: str, mesh) -> tuple[str, str]:
-    """:func:`resolve_backend` for a mesh (the nodes its EP groups span count only for ``auto`` and
-    ``hierarchical``)."""
-    return resolve_backend(name, mesh.device_type, mesh.ep_nodes if name in ("auto", "hierarchical") else 1)
+def _auto(device_type: str, ep_degree: int, nodes: int, top_k: int, slots_per_rank: int) -> tuple[str, str]:
+    triton = device_type == "cuda" and triton_unavailable_reason(device_type) is None
+    per_pair = ("triton", "CUDA with Triton importable") if triton else ("torch", "no CUDA" if device_type != "cuda"
+                                                                         else "Triton not importable")
+    if ep_degree > 1 and nodes > 1:
+        return "dedup", (f"auto: the EP group spans {nodes} nodes, so each token crosses to a node once and to a "
+                         "rank once" + (" (the Triton kernels serve the per-pair exchange only)" if triton else ""))
+    if ep_degree > 1 and top_k >= 2 and slots_per_rank >= 2:
+        return "dedup", (f"auto: top-k {top_k} with {slots_per_rank} experts per rank, so a token's pairs on one "
+                         "rank travel as one row" + (" (the Triton kernels serve the per-pair exchange only)"
+                                                      if triton else ""))
+    reason = ("one rank per EP group: nothing crosses ranks" if ep_degree == 1 else
+              f"top-k {top_k} with {slots_per_rank} expert(s) per rank: no token has two pairs on one rank")
+    return per_pair[0], f"auto: {reason}; the per-pair exchange ({per_pair[1]})"
+
+
+def choose_backend(name: str, mesh, top_k: int = 1, slots_per_rank: int = 1) -> tuple[str, str]:
+    """:func:`resolve_backend` for a mesh (its EP degree and the nodes its EP groups span count only for
+    ``auto``) and a model (its routers' ``top_k``, the placement's slots per rank)."""
+    nodes = mesh.ep_nodes if name == "auto" else 1
+    return resolve_backend(name, mesh.device_type, ep_degree=mesh.ep_degree, nodes=nodes, top_k=top_k,
+                           slots_per_rank=slots_per_rank)
 
 
 def make_dispatcher(name: str, table: PlacementTable, mesh, stats: CommStats, *, count_slots: int | None = None,
                     control_ints: int = 0) -> Dispatcher:
-    """The dispatcher ``name`` resolves to for one layer of ``mesh`` (its EP rank and group); ``count_slots`` /
-    ``control_ints`` as :class:`TorchDispatcher` takes them."""
-    backend, _ = choose_backend(name, mesh)
+    """The dispatcher of backend ``name`` (a concrete one, as :func:`choose_backend` returns) for one layer of
+    ``mesh`` (its EP rank and group); ``count_slots`` / ``control_ints`` as :class:`TorchDispatcher` takes them."""
     sizes = {"count_slots": count_slots, "control_ints": control_ints}
-    if backend == "hierarchical":
-        groups = node_groups(mesh)
-        return HierarchicalDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, groups, **sizes)
-    return BACKENDS[backend](table, mesh.ep_rank, mesh.ep_group, stats, **sizes)
+    if name == "dedup":
+        return DedupDispatcher(table, mesh.ep_rank, mesh.ep_group, stats, dedup_groups(mesh), **sizes)
+    if name not in BACKENDS:
+        raise HybridEPConfigError(f"make_dispatcher takes a concrete backend ({sorted(BACKENDS)}), not {name!r}")
+    return BACKENDS[name](table, mesh.ep_rank, mesh.ep_group, stats, **sizes)
 
 
 __all__ = [
@@ -71,9 +85,9 @@ __all__ = [
     "CommStats",
     "Dispatcher",
     "DispatchPlan",
-    "HierarchicalDispatcher",
+    "DedupDispatcher",
+    "DedupGroups",
     "LocalPairs",
-    "NodeGroups",
     "PhaseCounters",
     "PlacementTable",
     "Received",

@@ -47,8 +47,7 @@ class Received:
     one), then by local slot.
 
     Attributes:
-        sources / slots: sources and the slot stride of the counts (slots per rank of the table, or the
-            largest over the model's layers).
+        sources / slots: sources and the slot stride of the counts (the table's slots per rank).
         counts: ``[sources · slots]`` int64 rows per (source, slot), on the device; ``counts_host`` the same
             on the host (read with the plan's one host read).
     """

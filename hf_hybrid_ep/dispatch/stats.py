@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-# The hierarchical dispatcher's cross-node stage is counted apart ("*_inter"); its intra-node stage, and
-# every other backend's one exchange, under the plain names.
+# The deduplicated dispatcher's cross-node stage is counted apart ("*_inter"); its stage inside a node, and
+# the per-pair backends' one exchange, under the plain names.
 PHASES = ("dispatch", "combine", "dispatch_backward", "combine_backward",
           "dispatch_inter", "combine_inter", "dispatch_inter_backward", "combine_inter_backward")
 INTER_PHASES = PHASES[4:]

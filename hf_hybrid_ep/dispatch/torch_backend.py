@@ -63,7 +63,8 @@ class TorchPlan(DispatchPlan):
 
 
 def send_order_plan(order: torch.Tensor, send_splits: list[int], num_tokens: int, top_k: int) -> TorchPlan:
-    """A plan that only sends (no rows to receive, nothing local): the hierarchical relay's stage 2."""
+    """A plan over rows already in their order, only for gathers (nothing received, nothing local): the
+    deduplicated dispatcher's fan-out."""
     nothing = Received(0, 0, order.new_zeros(0), [])
     return TorchPlan(num_tokens, top_k, nothing, order=order, num_sent=sum(send_splits), send_splits=send_splits,
                      recv_splits=[])

@@ -42,17 +42,21 @@ class BackwardSequence:
         self.enabled = True
         self.gradient_sync: Callable[[], bool] | None = None
         self._running = False
-        self._watched: set[int] = set()
-        self._handles: list = []
+        # the parameters hooked, held so that their ids cannot be reused by new ones while they are listed
+        self._watched: dict[int, nn.Parameter] = {}
         self.watch(reducer.parameters())
 
     def watch(self, params: Iterable[nn.Parameter]) -> None:
-        """Hook the parameters not watched yet (new ones after online rebalancing replaced some)."""
+        """Hook ``params`` (the reducer's parameters) not hooked yet — new ones after online rebalancing replaced
+        some — and forget the ones no longer among them."""
+        watched = {}
         for p in params:
-            if id(p) in self._watched or not p.requires_grad or is_dtensor(p):  # FSDP2 reduces its own
+            if not p.requires_grad or is_dtensor(p):  # FSDP2 reduces its own
                 continue
-            self._watched.add(id(p))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+            if self._watched.get(id(p)) is not p:
+                p.register_post_accumulate_grad_hook(self._on_gradient)
+            watched[id(p)] = p
+        self._watched = watched
 
     def reducing(self) -> bool:
         """Whether this backward reduces gradients."""

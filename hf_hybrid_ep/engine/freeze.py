@@ -59,7 +59,7 @@ class ExpertFreezer:
             slots = [s for s, e in enumerate(layer.local_experts) if e in frozen]
             if slots:
                 index = torch.tensor(slots, dtype=torch.long)
-                for p in layer.expert_parameters():
+                for p in layer.slot_parameters():
                     yield p, index.to(p.device)
 
     def _pre(self, optimizer, args, kwargs) -> None:

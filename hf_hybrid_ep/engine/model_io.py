@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..moe.layer import ShardedExperts
+from ..moe.lora import peft_from_slots
 from ..parallel.heartbeat import Heartbeat
 from ..parallel.mesh import is_dtensor, local_tensor
 from .optimizers import wait_for_parameters
@@ -31,21 +32,31 @@ def expert_layers_by_key(model: nn.Module) -> dict[str, ShardedExperts]:
     return {f"{layer.name}.{p}": layer for layer in state_of(model).layers for p in layer.param_names}
 
 
+def expert_factors(model: nn.Module, layers: list[ShardedExperts] | None = None
+                   ) -> dict[str, tuple[ShardedExperts, str]]:
+    """Parameter name of every expert adapter factor (:mod:`hf_hybrid_ep.moe.lora`) → its EP layer (of ``layers``,
+    default the model's) and kind (``"A"`` / ``"B"``), in the model's parameter order (the same on every rank)."""
+    layers = state_of(model).layers if layers is None else layers
+    of = {id(p): (layer, kind) for layer in layers for kind, p in layer.experts.adapter_factors()}
+    return {name: of[id(p)] for name, p in model.named_parameters() if id(p) in of}
+
+
 def gather_scratch(model: nn.Module) -> torch.Tensor:
-    """A device buffer (uint8) that holds every EP rank's slots of the largest expert parameter: one
-    gathered parameter at a time passes through it on its way to host memory."""
+    """A device buffer (uint8) that holds every EP rank's slots of the largest expert parameter or adapter
+    factor: one gathered tensor at a time passes through it on its way to host memory."""
     layers = expert_layers_by_key(model)
-    params = [getattr(layer.module, name.rpartition(".")[2]) for name, layer in layers.items()]
-    nbytes = max((layer.gathered_bytes(p) for p, layer in zip(params, layers.values(), strict=True)), default=0)
-    return torch.empty(nbytes, dtype=torch.uint8, device=params[0].device if params else None)
+    params = [(getattr(layer.module, name.rpartition(".")[2]), layer) for name, layer in layers.items()]
+    params += [(p, layer) for layer in state_of(model).layers for p in layer.experts.adapter_parameters()]
+    nbytes = max((layer.gathered_bytes(p) for p, layer in params), default=0)
+    return torch.empty(nbytes, dtype=torch.uint8, device=params[0][0].device if params else None)
 
 
 @torch.no_grad()
 def host_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], rank0_only: bool,
                  scratch: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """State-dict entries ``tensors`` of the unsharded model (every expert, global ids) in host memory, one
-    tensor at a time: beyond the model the device holds one :func:`gather_scratch` buffer (``scratch``, or
-    one made for the call).
+    """State-dict entries ``tensors`` of the unsharded model (every expert, global ids; expert adapter factors
+    in PEFT's layout over all experts) in host memory, one tensor at a time: beyond the model the device
+    holds one :func:`gather_scratch` buffer (``scratch``, or one made for the call).
 
     With ``rank0_only`` only rank 0 gets them (``{}`` elsewhere) and only rank 0's EP group gathers experts;
     otherwise every rank does. Collective: expert parameters over the EP group, FSDP2-sharded tensors over
@@ -54,16 +65,17 @@ def host_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], rank0_only:
     mesh = state_of(model).mesh
     keep = mesh.rank == 0 or not rank0_only
     gathers = mesh.edp_rank == 0 or not rank0_only
-    experts = expert_layers_by_key(model)
+    experts = {name: (layer, None) for name, layer in expert_layers_by_key(model).items()}
+    experts.update(expert_factors(model))  # adapter factors: PEFT's layout over all experts
     if gathers and scratch is None and any(name in experts for name in tensors):
         scratch = gather_scratch(model)
     out = {}
     for name, t in tensors.items():
         if name in experts:
-            if gathers:
-                full = experts[name].gather_to_host(t, keep, scratch)
-                if keep:
-                    out[name] = full
+            layer, kind = experts[name]
+            full = layer.gather_to_host(t, keep, scratch) if gathers else None
+            if full is not None:
+                out[name] = full if kind is None else peft_from_slots(full, kind)
             continue
         if is_dtensor(t):
             t = t.full_tensor()

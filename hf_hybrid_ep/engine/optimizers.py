@@ -15,7 +15,7 @@ from .state import state_of
 
 
 def shard_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], params, *args, **kwargs):
-    """``optimizer_cls(params, *args, **kwargs)`` with its state sharded ZeRO-1 style over the DP dimensions.
+    """``optimizer_cls(params, *args, **kwargs)`` with its state sharded ZeRO-1 style: dense over the world, each expert over its holders.
 
     ``params`` are the model's parameters or param groups, as for the optimizer class itself. Call on
     every rank, after :func:`hf_hybrid_ep.parallelize`; the model's reducer then reduce-scatters.

@@ -8,6 +8,7 @@ the layers and a token's path through them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -21,12 +22,14 @@ from ..dispatch import PlacementTable, choose_backend, resolve_backend
 from ..dispatch.table import layer_tables
 from ..errors import HybridEPConfigError
 from ..moe.aux_losses import add_aux_losses
-from ..moe.discovery import check_shardable, find_shared_expert
+from ..moe.discovery import check_shardable, find_shared_expert, unwrapped_name
 from ..moe.holdings import expert_holdings
 from ..moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
 from ..moe.load import attach_load_accounting
+from ..moe.lora import attach_expert_adapters, check_expert_adapters, detach_expert_adapters, expert_wrappers
 from ..moe.rebalance import Rebalancer
 from ..moe.router_controls import install_router_controls
+from ..moe.router_rules import find_router
 from ..moe.shadow import ShadowManager
 from ..parallel import watchdog
 from ..parallel.agreement import InputAgreement
@@ -40,6 +43,7 @@ from ..parallel.mesh import (
     world_timeout,
 )
 from ..parallel.watchdog import watched
+from .adapters import is_peft_model, wrap_adapter_methods
 from .backward import BackwardSequence
 from .failures import agree_on_failure
 from .model_io import wrap_generate, wrap_save_pretrained
@@ -98,11 +102,13 @@ def parallelize(
         raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
     config = config or HybridEPConfig()
     found = check_shardable(model)
-    mesh, tables = _apply_layout(config=config, found=found)
+    adapters = _check_adapters(model=model, config=config, found=found)
+    mesh, tables, backend = _apply_layout(model=model, config=config, found=found)
     device = _apply_device(model=model, mesh=mesh)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
-    layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh)
+    layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh,
+                                               backend=backend, adapters=adapters)
     if materialize is not None:
         agree_on_failure(mesh, materialize, model, layers)
     place_module(model, device)  # after sharding: only this rank's experts reach the device
@@ -117,25 +123,72 @@ def parallelize(
     if config.rebalancing:
         state_of(model).rebalancer = Rebalancer(model, layers, mesh, reducer, config)
     watch_optimizers(model)
-    wrap_save_pretrained(model)
+    if is_peft_model(model):
+        wrap_adapter_methods(model, _unloaded)
+    else:
+        wrap_save_pretrained(model)
     wrap_generate(model)
     return model
 
 
-def _apply_layout(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]]) -> tuple[HybridMesh, list[PlacementTable]]:
-    """Resolve dp × ep for this world, build the mesh and one placement table per experts module.
+def _check_adapters(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]]
+                    ) -> dict[str, dict[str, nn.Module]]:
+    """PEFT's LoRA wrappers above each experts module (by module name, then adapted parameter), checked
+    before any work: what the adapters need that the engine does not do is refused, naming it."""
+    adapters = {}
+    for name, module in found:
+        wrappers = expert_wrappers(model, name, module)
+        check_expert_adapters(name, module, wrappers)
+        if wrappers:
+            adapters[name] = wrappers
+    if adapters and config.rebalancing:
+        raise HybridEPConfigError("online rebalancing (rebalance_every / rebalance_when_imbalance_over) moves expert "
+                                  "weights between ranks but not their LoRA adapters; turn it off to train expert adapters")
+    if adapters and config.shadow_experts:
+        raise HybridEPConfigError("shadow_experts copies expert weights to other ranks but not their LoRA adapters; "
+                                  "turn it off to train expert adapters")
+    if is_peft_model(model) and config.dense_sharding == "fsdp":
+        raise HybridEPConfigError("dense_sharding='fsdp' is not supported for PEFT models (adapters are small: "
+                                  "use dense_sharding='replicate')")
+    return adapters
+
+
+def _unloaded(peft_model: nn.Module, model: nn.Module) -> None:
+    """PEFT unloaded its wrappers (``merge_and_unload`` / ``unload``) and returned ``model``: the hybrid-EP state
+    moves to it — layer names without PEFT's, experts computed without adapters, a reducer of its parameters —
+    and it saves and generates like a parallelized model."""
+    state = state_of(peft_model)
+    for layer in state.layers:
+        layer.name = unwrapped_name(layer.name)
+        layer.layer_names = {i: unwrapped_name(n) for i, n in layer.layer_names.items()}
+        detach_expert_adapters(layer)
+    reducer = _apply_gradient_reduction(model=model, config=state.config, layers=state.layers, mesh=state.mesh)
+    backward = BackwardSequence(reducer, state.agreement, state.shadows)
+    attach(model, dataclasses.replace(state, reducer=reducer, backward=backward))
+    _apply_hooks(model=model)
+    wrap_save_pretrained(model)
+    wrap_generate(model)
+
+
+def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
+                  ) -> tuple[HybridMesh, list[PlacementTable], str]:
+    """Resolve dp × ep for this world, build the mesh and one placement table per experts module, and choose
+    the dispatcher backend (once for the model, logged with its reason).
 
     One layout for all layers: resolved against the gcd of the layers' expert counts."""
     dp, ep = config.resolve(world_size(), math.gcd(*(m.num_experts for _, m in found)))
     resolve_backend(config.dispatcher, default_device_type())
-    tables = layer_tables(config.placement, [(name, m.num_experts) for name, m in found], ep)
+    # a per-layer placement names the experts modules as the model PEFT wrapped does (as `place` writes them)
+    tables = layer_tables(config.placement, [(unwrapped_name(name), m.num_experts) for name, m in found], ep)
     timeout = watchdog.timeout_of(config.collective_timeout_s) or world_timeout()
     mesh = build_mesh(dp, ep, topology=config.topology, timeout=timeout)
     watchdog.start(timeout.total_seconds())
-    backend, why = choose_backend(config.dispatcher, mesh)
+    routers = [find_router(model, name, m.num_experts) for name, m in found]
+    top_k = max((int(r[1].top_k) for r in routers if r is not None), default=1)
+    backend, why = choose_backend(config.dispatcher, mesh, top_k, max(t.slots_per_rank for t in tables))
     if mesh.rank == 0:
         logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
-    return mesh, tables
+    return mesh, tables, backend
 
 
 def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
@@ -164,12 +217,14 @@ def _count_slots(*, config: HybridEPConfig, found: list[tuple[str, nn.Module]], 
 
 
 def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
-                           tables: list[PlacementTable], mesh: HybridMesh,
+                           tables: list[PlacementTable], mesh: HybridMesh, backend: str,
+                           adapters: dict[str, dict[str, nn.Module]] | None = None,
                            ) -> tuple[list[ShardedExperts], InputAgreement]:
     """Replace every experts module's forward by an :class:`ShardedExperts` holding this rank's
-    experts only; all layers share one cross-rank input agreement."""
-    options = EPLayerOptions.from_config(config, _count_slots(config=config, found=found, tables=tables,
-                                                              ep=mesh.ep_degree))
+    experts only (and their LoRA adapters' factors, from ``adapters``), exchanging through ``backend``; all
+    layers share one cross-rank input agreement."""
+    count_slots = _count_slots(config=config, found=found, tables=tables, ep=mesh.ep_degree)
+    options = dataclasses.replace(EPLayerOptions.from_config(config, count_slots), dispatcher=backend)
     names = {i: name for i, (name, _) in enumerate(found)}
     agreement = InputAgreement(mesh, names)
     layers = []
@@ -179,6 +234,8 @@ def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: l
                                     agreement=agreement,
                                     shared_overlap=None if shared is None else SharedExpertOverlap(*shared))
         layer.shard_()
+        if adapters and name in adapters:
+            attach_expert_adapters(layer, adapters[name])
         layers.append(layer)
     return layers, agreement
 
@@ -194,7 +251,7 @@ def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: 
 def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts],
                               mesh: HybridMesh) -> GradientReducer:
     """The reducer: dense gradients over the world, each expert's over the ranks holding it."""
-    expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
+    expert_ids = {id(p) for layer in layers for p in layer.slot_parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     holder_sets, holdings = expert_holdings(layers, mesh)
     reduce_dense = config.reduce_dense_gradients and config.dense_sharding != "fsdp"  # FSDP reduce-scatters them
@@ -220,7 +277,7 @@ def _fully_shard_dense(model: nn.Module, layers: list[ShardedExperts], mesh: Hyb
     from torch.distributed.fsdp import fully_shard
 
     world_mesh = DeviceMesh.from_group(mesh.world_group, mesh.device_type)
-    experts = {p for layer in layers for p in layer.expert_parameters()}
+    experts = {p for layer in layers for p in layer.slot_parameters()}
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in blocks:

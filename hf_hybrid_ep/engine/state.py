@@ -55,8 +55,9 @@ class HybridEPState:
     skipped: SkippedSteps = field(default_factory=SkippedSteps)
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
-        """Qualified names of this rank's expert parameters (e.g. for DDP's ignore list)."""
-        ids = {id(p) for layer in self.layers for p in layer.expert_parameters()}
+        """Qualified names of this rank's expert parameters and their adapters' factors (e.g. for DDP's ignore
+        list)."""
+        ids = {id(p) for layer in self.layers for p in layer.slot_parameters()}
         return [n for n, p in model.named_parameters() if id(p) in ids]
 
 

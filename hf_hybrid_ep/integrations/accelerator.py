@@ -57,10 +57,15 @@ def prepare_accelerator(accelerator: Accelerator, model: nn.Module) -> None:
                 "which does not hold FSDP2-sharded (DTensor) weights; use a plain torch loop, or "
                 "optimizer_sharding='zero1' with replicated dense weights"
             )
+        experts = state.expert_parameter_names(model)
+        held = set(experts)
+        if not any(p.requires_grad for n, p in model.named_parameters() if n not in held):
+            raise HybridEPConfigError(
+                "nothing dense is trained (only expert parameters or their adapters), but Accelerate/Trainer wrap "
+                "the model in torch DDP, which needs a trainable parameter: add dense LoRA targets "
+                "(target_modules, e.g. the attention projections) or train in a plain torch loop")
         state.reducer.reduce_dense = False
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, state.expert_parameter_names(model)
-        )
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     state.backward.gradient_sync = lambda: accelerator.sync_gradients
 
 

@@ -40,7 +40,7 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def _expert_layers(model: nn.Module) -> dict[int, object]:
-    return {id(p): layer for layer in state_of(model).layers for p in layer.expert_parameters()}
+    return {id(p): layer for layer in state_of(model).layers for p in layer.slot_parameters()}
 
 
 def _model_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:

@@ -11,6 +11,7 @@ precedence flags > environment > file. The file accepts::
       gradient_accumulation: 4      # -> TrainingArguments.gradient_accumulation_steps
       optimizer: {type: AdamW, lr: 6.0e-5, weight_decay: 0.01}   # -> optim, learning_rate, weight_decay
       resume_from_checkpoint: latest  # -> TrainingArguments.resume_from_checkpoint (latest: the newest complete one)
+      peft: {r: 16, lora_alpha: 32}   # LoRA (peft.LoraConfig fields); targets default to attention and experts
 
 ``examples/hybrid_ep.yaml`` is a commented sample holding every key. ``collective_timeout_s`` defaults to
 ``TrainingArguments.ddp_timeout``.
@@ -26,6 +27,7 @@ from typing import Any
 
 from ..config import MIN_COLLECTIVE_TIMEOUT_S, HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
+from ..moe.lora import DEFAULT_LORA_TARGETS
 
 TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps",
                  "resume_from_checkpoint": "resume_from_checkpoint"}
@@ -41,6 +43,13 @@ def check_optimizer_block(optimizer: Any, where: str) -> None:
                                   f"{{type: AdamW, lr: 6.0e-5, weight_decay: 0.01}}, got {optimizer!r}")
 
 
+def check_peft_block(peft: Any, where: str) -> None:
+    """Refuse a ``peft`` setting that is not a mapping, naming where it came from."""
+    if peft is not None and not isinstance(peft, Mapping):
+        raise HybridEPConfigError(f"{where}: key 'peft' must be a mapping of peft.LoraConfig fields such as "
+                                  f"{{r: 16, lora_alpha: 32}}, got {peft!r}")
+
+
 @dataclass
 class HybridEPPlugin:
     """The hybrid-EP part of a training run: the engine config plus the training settings it carries."""
@@ -50,6 +59,7 @@ class HybridEPPlugin:
     gradient_accumulation: int | None = None
     optimizer: dict[str, Any] | None = None
     resume_from_checkpoint: str | None = None
+    peft: dict[str, Any] | None = None
 
     @classmethod
     def from_sources(
@@ -60,11 +70,12 @@ class HybridEPPlugin:
         if file is not None:
             loaded = read_yaml_mapping(file, "hybrid-EP config file")
             check_optimizer_block(loaded.get("optimizer"), f"hybrid-EP config file {str(file)!r}")
+            check_peft_block(loaded.get("peft"), f"hybrid-EP config file {str(file)!r}")
             data.update(loaded)
         data.update(env_values())
         data.update({k: v for k, v in (flags or {}).items() if v is not None})
         engine_fields = set(config_fields())
-        known = engine_fields | set(TRAINING_KEYS) | {"optimizer"}
+        known = engine_fields | set(TRAINING_KEYS) | {"optimizer", "peft"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise HybridEPConfigError(f"unknown hybrid-EP setting(s) {unknown}; known: {sorted(known)}")
@@ -72,7 +83,26 @@ class HybridEPPlugin:
         config = HybridEPConfig(**engine, _env_applied=True)
         resume = data.get("resume_from_checkpoint")
         return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"),
-                   None if resume is None else str(resume))
+                   None if resume is None else str(resume), data.get("peft"))
+
+    def lora_config(self, overrides: Mapping[str, Any] | None = None):
+        """The ``peft.LoraConfig`` (causal LM) of the ``peft:`` section updated by ``overrides`` (``None`` values
+        are "not given"), each target list :data:`DEFAULT_LORA_TARGETS`' unless given (an empty list: none);
+        ``None`` when neither sets anything.
+
+        Raises:
+            HybridEPConfigError: naming a field ``peft.LoraConfig`` does not have.
+        """
+        fields = {**(self.peft or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+        if not fields:
+            return None
+        from peft import LoraConfig
+
+        fields = {**DEFAULT_LORA_TARGETS, **fields}
+        try:
+            return LoraConfig(task_type="CAUSAL_LM", **fields)
+        except TypeError as err:
+            raise HybridEPConfigError(f"peft settings {sorted(fields)}: {err}") from err
 
     def training_overrides(self) -> dict[str, Any]:
         """The ``TrainingArguments`` fields this plugin sets."""

@@ -6,9 +6,10 @@
   DDP's ignore list and the engine reduces them over their EDP groups, only on steps where
   ``accelerator.sync_gradients`` is true. Nothing is reduced twice.
 * gradient clipping and the logged gradient norm are the true global norm over all shards;
-* checkpoints: the model as an expert-sharded hybrid-EP checkpoint (vanilla-loadable), the optimizer
-  state keyed by parameter name and global expert id, so ``resume_from_checkpoint`` works at the same
-  or another EP degree; scheduler and RNG state as the Trainer writes them;
+* checkpoints: the model as an expert-sharded hybrid-EP checkpoint (vanilla-loadable) — of a ``PeftModel`` only
+  its adapters, as PEFT's adapter directory (every expert's factors) — the optimizer state keyed by parameter
+  name and global expert id, so ``resume_from_checkpoint`` works at the same or another EP degree; scheduler
+  and RNG state as the Trainer writes them;
 * with ``optimizer_sharding="zero1"`` the optimizer is built sharded (:func:`hf_hybrid_ep.parallel.zero.reshard_optimizer`):
   DDP still all-reduces the dense gradients, each rank steps its shard and the shards are all-gathered;
   the engine reduce-scatters expert gradients over their EDP groups. Checkpoints are interchangeable
@@ -36,9 +37,12 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from ..checkpoint.adapters import load_adapter_
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
+from ..checkpoint.side_state import load_side_state, save_side_state
+from ..engine.adapters import is_peft_model
 from ..engine.eval_layout import eval_layout
 from ..engine.freeze import ExpertFreezer
 from ..engine.gradients import clip_grad_norm_
@@ -275,7 +279,11 @@ class HybridEPTrainer(Trainer):
         if config is not None and self._inference_use_cache is not None:
             config.use_cache = self._inference_use_cache
         try:
-            if self._staging is not None and Path(output_dir) == self._staging[0]:
+            if is_peft_model(self.hybrid_model):  # the adapters only, as PEFT writes them (collective)
+                self.hybrid_model.save_pretrained(output_dir)
+                if self.args.should_save:
+                    save_side_state(self.hybrid_model, output_dir)
+            elif self._staging is not None and Path(output_dir) == self._staging[0]:
                 write_model_files(self.hybrid_model, Path(output_dir), self._staging[1])
             else:
                 save_hybrid_checkpoint(self.hybrid_model, output_dir)
@@ -302,7 +310,11 @@ class HybridEPTrainer(Trainer):
         for name in sorted((checker.manifest or {}).get("files", {})):
             if not name.startswith("model"):  # weight files: checked by the loader, this rank's only
                 checker.check(name)
-        load_checkpoint_into_(resume_from_checkpoint, model, verify=verify)
+        if is_peft_model(model):  # an adapter checkpoint: the adapters (this rank's experts') and the side state
+            load_adapter_(model, state_of(model).layers, resume_from_checkpoint)
+            load_side_state(model, resume_from_checkpoint, checker)
+        else:
+            load_checkpoint_into_(resume_from_checkpoint, model, verify=verify)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -16,6 +16,9 @@ from torch import nn
 from ..errors import HybridEPConfigError
 
 FORMAT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# PEFT's names: a PeftModel holds the wrapped model under this prefix, a wrapper its wrapped module under this suffix.
+PEFT_PREFIX = "base_model.model."
+WRAPPER_SUFFIX = ".base_layer"
 
 
 @dataclass(frozen=True)
@@ -112,10 +115,24 @@ def check_shardable(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def block_name(experts_name: str) -> str:
+    """The MoE block holding the experts module ``experts_name``, above any PEFT wrappers of it (LoRA on the
+    experts' parameters nests the module as ``experts.base_layer[.base_layer]``)."""
+    while experts_name.endswith(WRAPPER_SUFFIX):
+        experts_name = experts_name[: -len(WRAPPER_SUFFIX)]
+    return experts_name.rpartition(".")[0]
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` without PEFT's wrapper components: the name in the model PEFT wrapped
+    (``base_model.model.model.layers.0.mlp.experts.base_layer.base_layer`` → ``model.layers.0.mlp.experts``)."""
+    name = name.removeprefix(PEFT_PREFIX)
+    return ".".join(part for part in name.split(".") if part != WRAPPER_SUFFIX[1:])
+
+
 def find_shared_expert(model: nn.Module, experts_name: str) -> tuple[nn.Module, nn.Module] | None:
     """The block and its shared expert (a child named ``shared_experts`` or ``shared_expert``), if any."""
-    parent_name, _, _ = experts_name.rpartition(".")
-    block = model.get_submodule(parent_name)
+    block = model.get_submodule(block_name(experts_name))
     for name in ("shared_experts", "shared_expert"):
         shared = getattr(block, name, None)
         if isinstance(shared, nn.Module):

@@ -110,6 +110,14 @@ class ExpertCompute:
         out = self.grouped_forward(self._gather(rows, index, destination), sizes)
         return self._gather(out, destination, index)
 
+    def adapter_factors(self) -> list[tuple[str, nn.Parameter]]:
+        """``(kind, parameter)`` of every factor an adapter adds to the projections, one row per local slot
+        (none here; see :class:`hf_hybrid_ep.moe.lora.LoRAExpertCompute`)."""
+        return []
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.adapter_factors()]
+
     def local(self, rows: torch.Tensor, slots: torch.Tensor, params: dict[str, nn.Parameter]) -> torch.Tensor:
         """``[n, H]``: the module's own experts implementation on ``rows`` routed to ``slots`` of ``params`` (local
         copies of other ranks' experts, in place of the module's parameters for this call), unit weights."""
@@ -125,7 +133,8 @@ class ExpertCompute:
             module.num_experts = saved_count
 
     def _gather(self, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        """``src[index]`` (zero rows where ``index`` is -1: padding), differentiable; ``inverse`` its inverse."""
+        """``src[index]``, differentiable; ``inverse`` its inverse. Padding (``index`` -1, with ``alignment`` > 1)
+        reads zero rows: only the fused kernels pad (the torch path runs with alignment 1)."""
         if self.fused:
             return self._kernels.fused_gather_rows(src, index, inverse)
         return _PermuteRows.apply(src, index, inverse)

@@ -27,6 +27,6 @@ def expert_holdings(layers: list[ShardedExperts], mesh: HybridMesh) -> tuple[lis
         by_ranks: dict[tuple[int, ...], list[int]] = {}
         for s in sorted(range(len(local)), key=lambda s: local[s]):
             by_ranks.setdefault(holders_of[(li, local[s])], []).append(s)
-        for p in layer.expert_parameters():
+        for p in layer.slot_parameters():
             holdings.append(ExpertHolding(p, list(by_ranks.items()), list(local)))
     return sorted(set(holders_of.values())), holdings

@@ -34,7 +34,8 @@ class EPLayerOptions:
     """How an :class:`ShardedExperts` runs (from :class:`~hf_hybrid_ep.HybridEPConfig`).
 
     Attributes:
-        dispatcher: backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"hierarchical"``).
+        dispatcher: the concrete backend (``"torch"``, ``"triton"``, ``"dedup"``; ``parallelize`` resolves
+            ``"auto"`` once for the model).
         check_finite: raise on every rank when a layer's input holds NaN or inf.
         alignment: rows per expert padded to a multiple of this (the Triton backend's tile).
         count_slots: slots per EP rank in every counts message (equal for every layer, see ``parallelize``).
@@ -193,7 +194,17 @@ class ShardedExperts:
         return full
 
     def expert_parameters(self) -> list[nn.Parameter]:
+        """The experts module's per-expert parameters (``[S, ...]``, this rank's slots)."""
         return [getattr(self.module, pname) for pname in self.param_names]
+
+    def slot_parameters(self) -> list[nn.Parameter]:
+        """Every parameter held per local slot: the expert parameters and their adapters' factors (reduced
+        over the ranks holding each expert, counted once in the norm, saved by global expert id)."""
+        return self.expert_parameters() + self.experts.adapter_parameters()
+
+    def use_compute(self, compute: ExpertCompute) -> None:
+        """Compute the received rows with ``compute`` from now on (an adapter's :class:`ExpertCompute`)."""
+        self.experts = compute
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` outputs of this layer's experts for ``hidden_states [T, H]`` routed by ``top_k_index`` /

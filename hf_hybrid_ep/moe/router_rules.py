@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .discovery import block_name
+
 
 @dataclass(frozen=True)
 class SelectionRule:
@@ -121,7 +123,7 @@ def match_rule(router: nn.Module, top_k: int, hidden_size: int, probe_tokens: in
 
 def find_router(model: nn.Module, experts_name: str, num_experts: int) -> tuple[str, nn.Module] | None:
     """The router next to an experts module: a sibling whose 2-D ``weight`` has ``num_experts`` rows."""
-    parent_name, _, _ = experts_name.rpartition(".")
+    parent_name = block_name(experts_name)
     parent = model.get_submodule(parent_name)
     for name, child in parent.named_children():
         weight = getattr(child, "weight", None)

@@ -5,7 +5,7 @@ After every optimizer step (:func:`hf_hybrid_ep.after_optimizer_step`) each rank
 fresh weights. A shadow serves only its holder's own tokens: the dispatcher keeps those (token, k) pairs
 on the holder (they never cross ranks), every other rank's tokens still go to the owner. At the end of
 the step's gradient-reduced backward, before the expert gradient reduction, each holder returns its
-shadows' gradients to their owners (a pre-reduce hook of :class:`hf_hybrid_ep.parallel.grads.GradientReducer`),
+shadows' gradients to their owners (step 4 of :meth:`hf_hybrid_ep.engine.backward.BackwardSequence.finish`),
 which add them to their own: the owner's gradient is then exactly the sum the unshadowed run forms, and
 the EDP reduction, clipping and the optimizer see the same numbers. Shadows expire at that point; the
 next :func:`after_optimizer_step` (after ``optimizer.step()``) decides and fetches again.
@@ -219,7 +219,8 @@ class ShadowManager:
 
     @torch.no_grad()
     def return_gradients(self) -> None:
-        """Pre-reduce hook: send every shadow's gradient to its owner, which adds it to its own; then the
+        """At the end of a reducing backward, before the expert buckets reduce (the backward sequence calls
+        it): send every shadow's gradient to its owner, which adds it to its own; then the
         shadows expire. Runs on every rank inside the gradient reduction (collective over each EP group;
         shadows become active and expire on every rank at the same points, so all ranks agree on
         whether there is anything to exchange). One all-to-all per layer and expert parameter, sent from

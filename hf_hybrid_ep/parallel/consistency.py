@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ReplicaDivergenceError
-from .grads import ExpertBucket
+from .grads import HolderSet
 from .mesh import HybridMesh, current_device
 from .watchdog import watched
 
@@ -32,7 +32,7 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def verify_replicas(mesh: HybridMesh, dense: list[tuple[str, torch.Tensor]], holder_groups: list[ExpertBucket],
+def verify_replicas(mesh: HybridMesh, dense: list[tuple[str, torch.Tensor]], holder_groups: list[HolderSet],
                     names: dict[int, str]) -> None:
     """Raise :class:`ReplicaDivergenceError` on every rank if a replicated tensor differs between its replicas:
     ``dense`` (name, parameter) over the world, then each expert slot of ``holder_groups`` over its holders

@@ -80,8 +80,8 @@ class ExpertHolding:
 
 
 @dataclass
-class ExpertBucket:
-    """Expert slots held by exactly the same set of ranks (for the replica check).
+class HolderSet:
+    """Expert slots held by exactly the same set of ranks, and their process group (for the replica check).
 
     ``entries`` are ``(holding, local slot indices)`` in (layer, global expert id) order, which every member
     rank derives identically from the placement tables.
@@ -90,10 +90,6 @@ class ExpertBucket:
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None
     entries: list[tuple[ExpertHolding, torch.Tensor]] = field(default_factory=list)
-
-
-# Where an expert parameter's slots are reduced: (holder ranks, their group, local slots in global id order).
-ExpertHome = tuple[tuple[int, ...], "dist.ProcessGroup | None", list[int]]
 
 
 class GradientReducer:
@@ -149,7 +145,7 @@ class GradientReducer:
         self.holdings = holdings
         self.expert_homes = {id(h.param): [(ranks, groups[ranks], slots) for ranks, slots in sorted(h.homes)]
                              for h in holdings}
-        by_set = {ranks: ExpertBucket(ranks, group) for ranks, group in groups.items() if self.mesh.rank in ranks}
+        by_set = {ranks: HolderSet(ranks, group) for ranks, group in groups.items() if self.mesh.rank in ranks}
         for h in holdings:
             for ranks, slots in h.homes:
                 by_set[ranks].entries.append((h, torch.tensor(slots, dtype=torch.long, device=h.param.device)))
@@ -163,16 +159,16 @@ class GradientReducer:
             seen.setdefault(id(p), p)
         return list(seen.values())
 
-    # ------------------------------------------------------------------ relayout
+    # ------------------------------------------------------------------ experts moved
     def replace_parameter(self, old: nn.Parameter, new: nn.Parameter) -> None:
         """``new`` takes ``old``'s place in the parameter order (online rebalancing changed its slot count);
-        :meth:`relayout` follows with the new holdings."""
+        :meth:`rehome` follows with the new holdings."""
         self.order = [new if p is old else p for p in self.order]
 
-    def relayout(self, holdings: list[ExpertHolding], holder_sets: list[tuple[int, ...]]) -> None:
+    def rehome(self, holdings: list[ExpertHolding], holder_sets: list[tuple[int, ...]]) -> None:
         """Experts moved (online rebalancing): new holder sets and homes, new buckets and buffers. Gradients
         are dropped and the ZeRO-1 sharding detached (its owner relays it out, see
-        :meth:`hf_hybrid_ep.parallel.zero.ZeroSharding.relayout`). Collective (new process groups)."""
+        :meth:`hf_hybrid_ep.parallel.zero.ZeroSharding.reshard`). Collective (new process groups)."""
         self._set_holdings(holdings, holder_sets)
         for p in self.parameters():
             p.grad = None

@@ -11,8 +11,7 @@ link levels connect two ranks:
   GPU (default: equal to ``network_gbps``; set it lower for an oversubscribed spine).
 
 A topology is read from a short spec string, e.g. ``racks=2,nodes_per_rack=2,gpus_per_node=8`` or
-``gpus_per_node=8,intra_node=pcie,intra_gbps=32,network_gbps=50`` (``nvlink_gbps`` is accepted as the
-older name of ``intra_gbps``), or from ``HybridEPConfig(topology=...)``.
+``gpus_per_node=8,intra_node=pcie,nvlink_gbps=32,network_gbps=50``, or from ``HybridEPConfig(topology=...)``.
 
 EP groups follow it (see :func:`ep_group_span`): the ``ep`` consecutive ranks of an EP group lie
 inside one node when ``ep ≤ gpus_per_node`` (which needs ``gpus_per_node % ep == 0``); otherwise a group
@@ -77,16 +76,14 @@ class Topology:
         if not spec:
             return cls()
         values: dict[str, Any] = {}
-        aliases = {"intra_gbps": "nvlink_gbps", "inter_gbps": "network_gbps"}
         for part in spec.split(","):
             part = part.strip()
             if not re.fullmatch(r"\w+=[\w.]+", part):
                 raise HybridEPConfigError(f"topology item {part!r} must look like name=value")
             name, value = part.split("=")
-            name = aliases.get(name, name)
             if name not in cls.__dataclass_fields__:
                 raise HybridEPConfigError(
-                    f"unknown topology key {name!r}; known: {sorted([*cls.__dataclass_fields__, *aliases])}"
+                    f"unknown topology key {name!r}; known: {sorted(cls.__dataclass_fields__)}"
                 )
             kind = cls.__dataclass_fields__[name].type
             try:

@@ -71,9 +71,9 @@ class ZeroSharding:
         self._hooks = self._register_wait_hooks(model)
         self.reducer.sharding = self
 
-    def relayout(self, model: nn.Module) -> None:
-        """Shard the reducer's buckets again (after :meth:`GradientReducer.relayout`): new owned views and
-        wait hooks; the optimizer's groups follow with :meth:`ShardedOptimizer.relayout`."""
+    def reshard(self, model: nn.Module) -> None:
+        """Shard the reducer's buckets again (after :meth:`GradientReducer.rehome`): new owned views and
+        wait hooks; the optimizer's groups follow with :meth:`ShardedOptimizer.reseat`."""
         for handle in self._hooks:
             handle.remove()
         self._shard(model)
@@ -291,13 +291,13 @@ class ShardedOptimizer:
                     p.grad.zero_()
 
     def replace_parameter(self, old: nn.Parameter, new: nn.Parameter) -> None:
-        """``new`` takes ``old``'s place among the model parameters (its views follow in :meth:`relayout`)."""
+        """``new`` takes ``old``'s place among the model parameters (its views follow in :meth:`reseat`)."""
         for params in self.hybrid_param_groups:
             params[:] = [new if q is old else q for q in params]
         self.hybrid_model_params[:] = [new if q is old else q for q in self.hybrid_model_params]
 
-    def relayout(self, old_state: dict, moved: dict, scalars: dict) -> None:
-        """Point the groups at the (relaid-out) sharding's views and load every parameter's state: ``moved``
+    def reseat(self, old_state: dict, moved: dict, scalars: dict) -> None:
+        """Point the groups at the (resharded) sharding's views and load every parameter's state: ``moved``
         (``id(param)`` → moved tensor state, local shape) where given, else ``old_state`` (the
         :meth:`ZeroSharding.full_state` taken before the move); ``scalars`` the scalar state by parameter."""
         sharding = self.hybrid_sharding

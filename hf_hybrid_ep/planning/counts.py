@@ -44,6 +44,44 @@ class ModelCounts:
     quantization: str = ""  # how the checkpoint is quantized ("fp8 block 128×128"); "" when it is not
     checkpoint_bytes: int = 0  # the model's tensors in its checkpoint (quantized where it is)
     converted_bytes: int = 0  # the same after `hf-hybrid-ep convert` (dequantized tensors in bfloat16)
+    lora_r: int = 0  # LoRA rank when only adapters train (the base frozen, :func:`with_lora`); 0: every parameter
+    adapter_dense_params: int = 0  # LoRA factors on dense modules (replicated)
+    adapter_expert_params: int = 0  # LoRA factors on the routed experts' parameters (all experts)
+
+
+def trained_params(m: ModelCounts) -> tuple[int, int]:
+    """``(dense, expert)`` parameters that get gradients and optimizer state: the adapters' under LoRA, else all."""
+    if m.lora_r:
+        return m.adapter_dense_params, m.adapter_expert_params
+    return m.dense_params, m.expert_params
+
+
+def _matches(name: str, targets) -> bool:
+    """PEFT's rule for a target list: the name itself or a ``.``-separated suffix of it."""
+    return any(name == t or name.endswith(f".{t}") for t in targets or ())
+
+
+def with_lora(m: ModelCounts, config: PretrainedConfig, r: int, target_modules, target_parameters,
+              trust_remote_code: bool = False) -> ModelCounts:
+    """``m`` training LoRA adapters of rank ``r`` only: on the ``nn.Linear`` modules named by ``target_modules``
+    (``r·(in + out)`` each) and on the experts' 3-D parameters named by ``target_parameters`` (``r·E·(in + out)``
+    each), matched as PEFT matches them; the base frozen."""
+    import torch
+    from torch import nn
+
+    if r < 1:
+        raise ValueError(f"lora_r={r} must be a positive integer")
+    with torch.device("meta"):
+        model = _from_config(config, trust_remote_code)
+    found = check_shardable(model)
+    dense = sum(r * (mod.in_features + mod.out_features) for name, mod in model.named_modules()
+                if isinstance(mod, nn.Linear) and _matches(name, target_modules))
+    expert = sum(r * p.shape[0] * (p.shape[1] + p.shape[2]) for name, module in found
+                 for pname, p in module.named_parameters(recurse=False)
+                 if p.dim() == 3 and _matches(f"{name}.{pname}", target_parameters))
+    from dataclasses import replace
+
+    return replace(m, lora_r=r, adapter_dense_params=dense, adapter_expert_params=expert)
 
 
 def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -148,6 +186,8 @@ def rank_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int = 0, recipe: st
     w, g, o = RECIPES[recipe]
     world = dp * ep
     experts = m.expert_params // ep
+    if m.lora_r:
+        return _lora_state_bytes(m, dp, ep, rank, (w, g, o), optimizer_sharding, dense_sharding)
     dense = _fsdp_numel(m.dense_shapes, world, rank) if dense_sharding == "fsdp" else m.dense_params
     held = dense + experts
     if optimizer_sharding == "zero1":
@@ -156,6 +196,23 @@ def rank_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int = 0, recipe: st
     else:
         state = held
     return {"params": held, "weight_bytes": held * w, "grad_bytes": held * g, "optimizer_bytes": state * o}
+
+
+def _lora_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int, recipe_bytes: tuple[int, int, int],
+                      optimizer_sharding: str, dense_sharding: str) -> dict[str, int]:
+    """:func:`rank_state_bytes` when only LoRA adapters train: every held parameter (frozen base and adapters)
+    has weight bytes; only the adapters (dense ones whole, this rank's experts' ones) have gradients and
+    optimizer state, which ZeRO-1 shards like any trained parameter."""
+    if dense_sharding == "fsdp":
+        raise ValueError("dense_sharding='fsdp' is not supported with LoRA (the engine refuses it for PEFT models)")
+    w, g, o = recipe_bytes
+    adapters = m.adapter_dense_params + m.adapter_expert_params // ep
+    held = m.dense_params + m.expert_params // ep + adapters
+    state = adapters
+    if optimizer_sharding == "zero1":
+        state = (_shard_numel(m.adapter_dense_params, dp * ep, rank)
+                 + _shard_numel(m.adapter_expert_params // ep, dp, rank // ep))
+    return {"params": held, "weight_bytes": held * w, "grad_bytes": adapters * g, "optimizer_bytes": state * o}
 
 
 def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:

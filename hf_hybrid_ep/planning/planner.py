@@ -13,6 +13,10 @@ Memory model (per GPU, layout dp × ep on W = dp·ep GPUs):
   over G ranks gives member i ``clamp(N − i·ceil(N/G), 0, ceil(N/G))`` elements. ``fsdp`` shards each
   dense tensor on dim 0 over W ranks (FSDP2): rank r keeps ``clamp(d0 − r·ceil(d0/W), 0, ceil(d0/W))``
   rows of weights, gradients and optimizer state. The table shows rank 0, which holds the most;
+* LoRA (``--lora-r R``): every held parameter keeps its weight bytes, the adapters' ``r·(in + out)`` per adapted
+  matrix (dense ones whole, a rank's experts' ones) added; gradients and optimizer state (and their ZeRO-1
+  shards) are the adapters' only, and so are the reduced gradient bytes; compute counts ``4·N_active`` (no
+  weight gradients of the frozen base) plus ``6·`` the active adapter parameters;
 * activations for one micro-batch of B sequences of S tokens, bf16, per layer (Korthikanti et al.
   2022, with a fused/flash attention kernel so no S×S score matrix is stored, plus the routed-expert
   tensors): ``B·S·(10·H + k·(2·H + 6·I)) + 4·B·S·E`` bytes for an MoE layer (k experts per token of
@@ -68,6 +72,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from ..checkpoint.format import format_bytes
+from ..moe.lora import DEFAULT_LORA_TARGETS
 from ..parallel.topology import Topology, ep_group_span
 from .counts import (  # noqa: F401  (re-exported: the planner's public names of 0.1)
     KNOWN_CONFIGS,
@@ -79,6 +84,8 @@ from .counts import (  # noqa: F401  (re-exported: the planner's public names of
     count_parameters,
     load_config,
     rank_state_bytes,
+    trained_params,
+    with_lora,
 )
 from .step_time import (
     DEFAULT_EFFICIENCY,
@@ -125,11 +132,12 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
     held = rank0["params"]
     act, act_ckpt = _activations(m, batch, seq)
     state = rank0["weight_bytes"] + rank0["grad_bytes"] + rank0["optimizer_bytes"]
-    dense_ar = 2 * (gpus - 1) / gpus * m.dense_params * g if gpus > 1 else 0
-    expert_ar = 2 * (dp - 1) / dp * (m.expert_params / ep) * g if dp > 1 else 0
+    dense, expert = trained_params(m)  # the parameters whose gradients are reduced
+    dense_ar = 2 * (gpus - 1) / gpus * dense * g if gpus > 1 else 0
+    expert_ar = 2 * (dp - 1) / dp * (expert / ep) * g if dp > 1 else 0
     routed = m.top_k * batch * seq * m.hidden * 2 * m.moe_layers * micro_batches
     a2a = routed * (ep - 1) / ep * 4
-    split = _comm_split(gpus, dp, ep, topo, m.dense_params * g, m.expert_params / ep * g, routed * 4)
+    split = _comm_split(gpus, dp, ep, topo, dense * g, expert / ep * g, routed * 4)
     seconds = sum(split[level] / (topo.bandwidth(level) * 1e9) for level in split)
     group = ep_group_span(gpus, ep, topo).kind if _follows(gpus, ep, topo) else "straddles_nodes"
     return LayoutPlan(
@@ -163,7 +171,9 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gib: float, topolo
          micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw", optimizer_sharding: str = "none",
          dense_sharding: str = "replicate", *, trust_remote_code: bool = False, tokens_per_step: int | None = None,
          device_flops: float | None = None, efficiency: float | None = None, memory_gbps: float | None = None,
-         calibration: dict[str, Any] | None = None, dispatcher: str = "auto") -> dict[str, Any]:
+         calibration: dict[str, Any] | None = None, dispatcher: str = "auto", lora_r: int | None = None,
+         lora_target_modules: list[str] | None = None, lora_target_parameters: list[str] | None = None,
+         ) -> dict[str, Any]:
     """Every dp × ep layout of ``gpus`` GPUs: memory, communication, predicted step time, fit; the
     recommended layout (the fastest predicted that fits, with activation checkpointing where only that
     fits; a tie goes to less memory) and the fastest hybrid against pure EP.
@@ -173,7 +183,12 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gib: float, topolo
     3350) feed :func:`hf_hybrid_ep.planning.step_time.predict_step_time`; ``calibration`` (a
     :class:`~hf_hybrid_ep.planning.step_time.Calibration` as a dict) is recorded with them. Link bandwidths come
     from ``topology``. ``dispatcher`` (as ``HybridEPConfig.dispatcher``) decides how the token exchange is
-    modelled: ``"auto"`` and ``"hierarchical"`` count node-deduplicated rows where an EP group spans nodes. ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs."""
+    modelled: ``"dedup"`` (and ``"auto"`` where the engine picks it) counts one row per token and destination node and
+    rank.
+    ``trust_remote_code=True`` lets a config's ``auto_map`` code run; off, it never runs.
+    ``lora_r``: only LoRA adapters of that rank train (:func:`~hf_hybrid_ep.planning.counts.with_lora`; targets
+    default to :data:`hf_hybrid_ep.moe.lora.DEFAULT_LORA_TARGETS`): the base is frozen, gradients, their
+    reduction and optimizer state are the adapters' only."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
     sources = {"device_flops": "default" if device_flops is None else "given",
@@ -188,6 +203,10 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gib: float, topolo
     check_step_inputs(gpus, tokens_per_step, micro_batch, seq_len, device_flops, efficiency, memory_gbps)
     config = load_config(model, trust_remote_code=trust_remote_code) if isinstance(model, str) else model
     counts = count_parameters(config, trust_remote_code)
+    if lora_r is not None:
+        targets = {"target_modules": lora_target_modules, "target_parameters": lora_target_parameters}
+        targets = {k: DEFAULT_LORA_TARGETS[k] if v is None else v for k, v in targets.items()}
+        counts = with_lora(counts, config, lora_r, **targets, trust_remote_code=trust_remote_code)
     topo = Topology.parse(topology)
     memory = int(gpu_memory_gib * 2**30)
     topo.check_world(gpus)
@@ -313,6 +332,9 @@ def format_plan(result: dict[str, Any]) -> str:
              f"({tokens // result['seq_len']} samples, {per_gpu // (result['micro_batch'] * result['seq_len'])} "
              f"micro-batches per GPU)",
              _topology_line(result),
+             *([f"LoRA rank {m['lora_r']}: {m['adapter_dense_params'] / 1e6:.3g}M dense and "
+                f"{m['adapter_expert_params'] / 1e6:.3g}M expert adapter parameters train; the base is frozen (weights "
+                "only: no gradients, no reduction, no optimizer state for it)"] if m.get("lora_r") else []),
              "| dp × ep | params/GPU | state GiB | activations GiB (ckpt) | total GiB (ckpt) | fits | comm MiB/step | "
              "comm s (no overlap) | compute s | exposed comm s | step s | samples/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -344,10 +366,10 @@ def format_plan(result: dict[str, Any]) -> str:
                  f"{links['cross_rack_gbps']:g} GB/s per GPU); optimizer at {model['memory_gbps']:g} GB/s memory "
                  f"({src['memory_gbps']})")
     deduplicated = [f"{p['dp']} × {p['ep']}" for p in result["layouts"]
-                    if p["step_time"].get("dispatcher") == "hierarchical"]
+                    if p["step_time"].get("dispatcher") == "dedup"]
     lines.append(f"token exchange as dispatcher={model.get('dispatcher', 'torch')!r}: "
-                 + (f"node-deduplicated (hierarchical) for {', '.join(deduplicated)}, where the EP group spans nodes; "
-                    "one row per token and expert elsewhere" if deduplicated else "one row per token and expert"))
+                 + (f"one row per token and destination node and rank for {', '.join(deduplicated)}; one row per "
+                    "token and expert elsewhere" if deduplicated else "one row per token and expert"))
     rec = result["recommended"]
     if rec is None:
         lines.append(result["advice"]["message"])

@@ -31,15 +31,17 @@ Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planning.plann
   (the counts exchange of every dispatch and the 4 or 6 token exchanges, per MoE layer and micro-batch)
   also costs ``exchange_overhead_s`` (latency and the wait for the slowest peer; default 0, which suits
   large GPU exchanges; measured on a CPU world it is milliseconds);
-* with the hierarchical dispatcher (``dispatcher="hierarchical"``, or ``"auto"`` when an EP group
-  spans nodes, as the engine chooses), a token crosses to each other node holding one of its experts
-  once: under uniform routing over a contiguous placement a node of ``E_n = E·g/ep`` experts holds
-  one of a token's k distinct experts with probability ``p = 1 − C(E − E_n, k)/C(E, k)``, so
-  ``p · T · H · b_a`` bytes per exchange go to each other node (inter-node or cross-rack by where it
-  sits), and the dispatch carries ``k · (b_a + 2)`` bytes of routing weights and keys per cross-node
-  row, its backward ``k · b_a``. Inside the node the relay forwards every pair not for itself:
-  ``k · T · H · b_a · (g − 1)/g`` bytes. The two stages run one after the other
-  (``a2a s = intra-node s + inter-node s + cross-rack s``) and each exchange is two collectives;
+* with the deduplicated dispatcher (``dispatcher="dedup"``, or ``"auto"`` where it sends fewer bytes, as
+  the engine chooses: the EP group spans nodes, or k ≥ 2 with more than one expert per rank) a token
+  travels once to each destination: under uniform routing over a contiguous placement a group of ``E_g``
+  of the E experts holds one of a token's k distinct experts with probability
+  ``p(E_g) = 1 − C(E − E_g, k)/C(E, k)``. Inside one node, ``p(E/ep) · (ep − 1) · T`` rows per exchange go
+  to the other ranks. Across ``N = ep/g`` nodes, stage A sends ``p(E·g/ep) · T`` rows to each other node
+  (inter-node or cross-rack by where it sits) and the relays forward ``p(E/ep) · (ep − N) · T`` rows
+  inside the nodes (a rank's rows to the rank with its own local index stay there); the two stages run
+  one after the other (``a2a s = intra-node s + inter-node s + cross-rack s``), two collectives per
+  exchange. Every row carries ``H · b_a`` bytes of activations per exchange; the dispatch adds
+  ``k · (b_a + 2)`` bytes of routing weights and keys, its backward ``k · b_a``;
 * gradient reduction, once per step (gradient accumulation reduces on the last micro-batch only):
   dense gradients (``P_dense · b_g``) over the world, expert gradients (``P_experts/ep · b_g``) over
   the EDP group of dp ranks, hierarchical ring all-reduces (a reduce-scatter — half the bytes — with
@@ -78,10 +80,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
+from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS, check_int
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
-from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes
+from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes, trained_params
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak, FLOP/s (H100 SXM)
 H100_MEMORY_GBPS = 3350.0  # HBM3, GB/s (H100 SXM)
@@ -139,7 +141,7 @@ class StepTime:
     step_s: float
     tokens_per_s: float  # over the world
     samples_per_s: float  # over the world
-    dispatcher: str = "torch"  # the token exchange modelled: "torch" (one row per pair) or "hierarchical"
+    dispatcher: str = "torch"  # the token exchange modelled: "torch" (one row per pair) or "dedup"
 
 
 def _levels(value: float = 0.0) -> Levels:
@@ -163,11 +165,9 @@ def check_step_inputs(world: int, tokens_per_step: int, micro_batch: int, seq_le
                       efficiency: float, memory_gbps: float, a2a_hidden_fraction: float = 0.0,
                       exchange_overhead_s: float = 0.0) -> None:
     """Raise :class:`HybridEPConfigError` naming the first bad value of a step-time workload."""
-    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("world", world)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HybridEPConfigError(f"{name} must be a positive integer, got {value!r}")
-    if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1:
-        raise HybridEPConfigError(f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("world", world),
+                        ("tokens_per_step", tokens_per_step)):
+        check_int(name, value)
     unit = world * micro_batch * seq_len
     if tokens_per_step % unit:
         raise HybridEPConfigError(
@@ -207,9 +207,9 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         optimizer_sharding, dense_sharding, recipe: as in :func:`hf_hybrid_ep.planning.planner.plan`.
         a2a_hidden_fraction: share of the token exchange hidden behind expert compute (0: none).
         exchange_overhead_s: fixed seconds per exchange collective (latency, waiting for peers).
-        dispatcher: the engine's ``dispatcher`` setting: ``"hierarchical"`` (and ``"auto"``) model the
-            node-deduplicating exchange where the EP group spans nodes; ``"torch"`` / ``"triton"`` one row
-            per (token, expert).
+        dispatcher: the engine's ``dispatcher`` setting: ``"dedup"`` models one row per token and destination
+            node and rank, ``"torch"`` / ``"triton"`` one row per (token, expert), ``"auto"`` what the engine
+            picks (:func:`deduplicates`).
     """
     topo = Topology.of(topology)
     world = dp * ep
@@ -260,6 +260,9 @@ def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_ch
     qk = counts.qk_dim or counts.hidden
     v = counts.v_dim or counts.hidden
     matmul = 6.0 * active
+    if counts.lora_r:  # frozen bases: no weight gradients (backward = activation gradients); adapters trained
+        matmul = 4.0 * active + 6.0 * (counts.adapter_dense_params
+                                       + counts.adapter_expert_params * counts.top_k / counts.num_experts)
     attention = 6.0 * layers * seq_len * (qk + v)
     recompute = (matmul + attention) / 3 if activation_checkpointing else 0.0
     forward_s = tokens * (matmul + attention) / 3 / rate
@@ -271,6 +274,14 @@ def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_ch
             "compute_s": forward_s + backward_s + recompute_s}
 
 
+def deduplicates(dispatcher: str, counts: ModelCounts, ep: int, nodes: int) -> bool:
+    """Whether ``dispatcher`` runs the deduplicated exchange for this layout: ``"dedup"``, or ``"auto"`` where
+    the engine picks it (an EP group over several nodes, or top-k ≥ 2 with more than one expert per rank)."""
+    if dispatcher == "dedup":
+        return True
+    return dispatcher == "auto" and ep > 1 and (nodes > 1 or (counts.top_k >= 2 and counts.num_experts // ep >= 2))
+
+
 def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, micro_batches: int, b_a: int,
                     activation_checkpointing: bool, dispatcher: str, exchange_overhead_s: float,
                     a2a_hidden_fraction: float) -> dict[str, Any]:
@@ -280,14 +291,15 @@ def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, m
     routed = counts.top_k * tokens * counts.hidden * b_a * counts.moe_layers * exchanges
     a2a = _levels()
     g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
-    hierarchical = dispatcher in ("auto", "hierarchical") and ep > g
-    if hierarchical:
-        a2a = _node_deduplicated_bytes(counts, tokens, ep, g, in_rack, b_a, activation_checkpointing, routed, exchanges)
+    nodes = max(1, ep // g)
+    dedup = deduplicates(dispatcher, counts, ep, nodes)
+    if dedup:
+        a2a = _deduplicated_bytes(counts, tokens, ep, g, in_rack, b_a, activation_checkpointing, exchanges)
     elif ep > 1:
         a2a = {"intra_node": routed * (g - 1) / ep, "inter_node": routed * (in_rack - g) / ep,
                "cross_rack": routed * (ep - in_rack) / ep}
     a2a_by_level = _seconds(a2a, topo)
-    if hierarchical:  # stage 1 between the nodes, then stage 2 inside them: two collectives per exchange
+    if dedup and nodes > 1:  # stage A between the nodes, then stage B inside them: two collectives per exchange
         a2a_s, collectives = sum(a2a_by_level.values()), 2 * exchanges + 1
     else:
         a2a_s = max(a2a_by_level["intra_node"], a2a_by_level["inter_node"] + a2a_by_level["cross_rack"])
@@ -295,7 +307,7 @@ def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, m
     a2a_s += collectives * counts.moe_layers * micro_batches * exchange_overhead_s
     a2a_hidden = a2a_s * a2a_hidden_fraction
     return {"a2a_bytes": a2a, "a2a_s_by_level": a2a_by_level, "a2a_s": a2a_s, "a2a_hidden_s": a2a_hidden,
-            "a2a_exposed_s": a2a_s - a2a_hidden, "dispatcher": "hierarchical" if hierarchical else "torch"}
+            "a2a_exposed_s": a2a_s - a2a_hidden, "dispatcher": "dedup" if dedup else "torch"}
 
 
 def _reduction_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_g: int, optimizer_sharding: str,
@@ -305,8 +317,9 @@ def _reduction_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_g:
     world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
     dense_factor = 0.5 if optimizer_sharding == "zero1" or dense_sharding == "fsdp" else 1.0
     expert_factor = 0.5 if optimizer_sharding == "zero1" else 1.0
-    dense_grad = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_g), dense_factor)
-    expert_grad = _scaled(_allreduce_split(topo, edp_ranks, counts.expert_params / ep * b_g), expert_factor)
+    dense, expert = trained_params(counts)
+    dense_grad = _scaled(_allreduce_split(topo, world_ranks, dense * b_g), dense_factor)
+    expert_grad = _scaled(_allreduce_split(topo, edp_ranks, expert / ep * b_g), expert_factor)
     reduce_by_level = _seconds({lv: dense_grad[lv] + expert_grad[lv] for lv in LINK_LEVELS}, topo)
     reduce_s = sum(reduce_by_level.values())
     reduce_hidden = min(reduce_s, window)
@@ -320,10 +333,11 @@ def _gather_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_w: in
     """ZeRO-1's parameter all-gather after the step; FSDP2's weight gathers every micro-batch."""
     world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
     zero_dense, zero_expert = _levels(), _levels()
+    dense, expert = trained_params(counts)
     if optimizer_sharding == "zero1":
         if dense_sharding == "replicate":
-            zero_dense = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_w), 0.5)
-        zero_expert = _scaled(_allreduce_split(topo, edp_ranks, counts.expert_params / ep * b_w), 0.5)
+            zero_dense = _scaled(_allreduce_split(topo, world_ranks, dense * b_w), 0.5)
+        zero_expert = _scaled(_allreduce_split(topo, edp_ranks, expert / ep * b_w), 0.5)
     zero_s = sum(_seconds({lv: zero_dense[lv] + zero_expert[lv] for lv in LINK_LEVELS}, topo).values())
     fsdp = _levels()
     if dense_sharding == "fsdp":
@@ -349,14 +363,18 @@ def node_hit_probability(num_experts: int, experts_on_node: int, top_k: int) -> 
     return 1.0 - math.comb(num_experts - experts_on_node, top_k) / math.comb(num_experts, top_k)
 
 
-def _node_deduplicated_bytes(counts: ModelCounts, tokens: int, ep: int, g: int, in_rack: int, b_a: int,
-                             activation_checkpointing: bool, pairs: float, exchanges: int) -> Levels:
-    """Bytes per rank and step of the hierarchical dispatcher (module docstring), by link level; ``pairs``:
-    the plain dispatcher's bytes of one row per (token, expert) over its ``exchanges``."""
-    p = node_hit_probability(counts.num_experts, counts.num_experts * g // ep, counts.top_k)
-    metadata = counts.top_k * ((b_a + 2) * (2 if activation_checkpointing else 1) + b_a)  # per row and layer
-    per_node = p * tokens * counts.moe_layers * (counts.hidden * b_a * exchanges + metadata)
-    return {"intra_node": pairs * (g - 1) / g, "inter_node": per_node * (in_rack // g - 1),
+def _deduplicated_bytes(counts: ModelCounts, tokens: int, ep: int, g: int, in_rack: int, b_a: int,
+                        activation_checkpointing: bool, exchanges: int) -> Levels:
+    """Bytes per rank and step of the deduplicated dispatcher (module docstring), by link level."""
+    E, k = counts.num_experts, counts.top_k
+    metadata = k * ((b_a + 2) * (2 if activation_checkpointing else 1) + b_a)  # per row and layer
+    row = counts.moe_layers * (counts.hidden * b_a * exchanges + metadata)  # one row's bytes over the step
+    per_rank = node_hit_probability(E, E // ep, k) * tokens * row
+    if ep <= g:
+        return {**_levels(), "intra_node": per_rank * (ep - 1)}
+    nodes = ep // g
+    per_node = node_hit_probability(E, E * g // ep, k) * tokens * row
+    return {"intra_node": per_rank * (ep - nodes), "inter_node": per_node * (in_rack // g - 1),
             "cross_rack": per_node * ((ep - in_rack) // g)}
 
 

@@ -17,6 +17,7 @@ module-level function of one of these modules:
 - :mod:`dist_cases.placement`: what each rank holds, placement tables, rebalancing, routing load.
 - :mod:`dist_cases.failures`: misbehaving ranks and impossible layouts, reported on every rank.
 - :mod:`dist_cases.integrations`: the stock Trainer and Accelerate loops.
+- :mod:`dist_cases.lora`: PEFT adapters on dense modules and sharded experts against PEFT in one process.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ from .integrations import (
     trainer_resume_latest,
     trainer_run,
     trainer_shadow_run,
+)
+from .lora import (
+    lora_config,
+    lora_forward,
+    lora_from_pretrained,
+    lora_hub_adapter,
+    lora_pair,
+    lora_parity,
+    lora_save_merge,
+    trainer_lora_run,
+    trainer_refuses_expert_only_lora,
 )
 from .placement import (
     group_creation_calls,
@@ -123,6 +135,16 @@ __all__ = [
     "trainer_resume_latest",
     "trainer_run",
     "trainer_shadow_run",
+    # lora
+    "lora_config",
+    "lora_forward",
+    "lora_from_pretrained",
+    "lora_hub_adapter",
+    "lora_pair",
+    "lora_parity",
+    "lora_save_merge",
+    "trainer_lora_run",
+    "trainer_refuses_expert_only_lora",
     # placement
     "group_creation_calls",
     "group_timeouts",

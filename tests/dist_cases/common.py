@@ -62,10 +62,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _local_view(model: torch.nn.Module, tensor_of_ref: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """The part of the reference's tensor that ``p`` holds on this rank: its local expert slots, and for an
+    expert adapter's factor those slots in the engine's slot-major layout (PEFT's is expert-major in
+    ``lora_A [r·E, in]`` and expert-fastest in ``lora_B [out, r·E]``)."""
+    from hf_hybrid_ep.moe.lora import slots_from_peft
+
     state = hep.state_of(model)
     for layer in state.layers:
         if any(p is q for q in layer.expert_parameters()):
             return tensor_of_ref[layer.local_experts]
+        for kind, q in layer.experts.adapter_factors():
+            if p is q:
+                return slots_from_peft(tensor_of_ref, kind, layer.num_experts, list(layer.local_experts))
     return tensor_of_ref
 
 

@@ -1,8 +1,7 @@
-"""Dispatch cases: which dispatcher a layer gets, and exchange paths that must agree with the plain one.
+"""Dispatch cases: which dispatcher a layer gets, and exchange paths that must agree with the per-pair one.
 
-The hierarchical dispatcher against the plain one (logits, gradients and cross-node traffic against
-``trace_traffic``), the dispatcher choice and its log lines, the chunked overlapped exchange and the
-shared-expert overlap.
+The deduplicated dispatcher against the per-pair one (logits, gradients and rows against ``trace_traffic``),
+the dispatcher choice and its log lines, the chunked overlapped exchange and the shared-expert overlap.
 """
 
 from __future__ import annotations
@@ -15,22 +14,23 @@ import torch.distributed as dist
 from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.dispatch.stats import INTER_PHASES
+from hf_hybrid_ep.dispatch.stats import PHASES
 
 from .common import _build, _global_inputs, _rank_slice, _rel
 
 
-def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num_experts: int = 4, top_k: int = 2,
+def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str | None, num_experts: int = 4, top_k: int = 2,
                            placement: list[list[int]] | None = None, capacity_factor: float | None = None,
                            overlap_degree: int = 1) -> dict:
-    """The hierarchical dispatcher against the plain one on the same model, batch and layout (logits and
-    gradients after one forward and backward), and its cross-node rows per direction against
-    ``trace_traffic`` for the routing this rank sent (exact without replicas)."""
+    """The deduplicated dispatcher against the per-pair one on the same model, batch and layout (logits and
+    gradients after one forward and backward), and its rows per phase against ``trace_traffic`` for the
+    routing this rank sent (exact without replicas): ``cross_node`` rows this rank sends across nodes, and
+    ``rank_rows``, the rows its tokens cause inside the destination nodes (sent by their relays)."""
     from hf_hybrid_ep.planning.placement import trace_traffic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {}
-    for dispatcher in ("torch", "hierarchical"):
+    for dispatcher in ("torch", "dedup"):
         torch.manual_seed(0)
         model = build_tiny_model(model_type, num_experts=num_experts, top_k=top_k)
         model.train()
@@ -49,17 +49,19 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str, num
         out.loss.backward()
         runs[dispatcher] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
                             hep.comm_stats(model), traces, hep.state_of(model))
-    (logits_a, grads_a, plain_stats, _, _), (logits_b, grads_b, stats, traces, state) = runs["torch"], runs["hierarchical"]
+    (logits_a, grads_a, plain_stats, _, _), (logits_b, grads_b, stats, traces, state) = runs["torch"], runs["dedup"]
     layers = {layer.name: layer for layer in state.layers}
-    predicted = sum(trace_traffic([t.numpy() for t in traces[name]], layers[name].table, topology,
-                                  sources=[state.mesh.ep_rank] * len(traces[name]))["cross_node"] for name in traces)
-    phases = {p: sum(stats[name][p]["remote_rows_sent"] for name in layers)
-              for p in INTER_PHASES}
-    per_node = state.mesh.ep_span.nodes_per_group if state.mesh.ep_span else 1
+    topology = topology or f"gpus_per_node={state.mesh.ranks_per_node}"
+    predicted: dict[str, float] = {"cross_node": 0.0, "rank_rows": 0.0}
+    for name in traces:
+        traced = trace_traffic([t.numpy() for t in traces[name]], layers[name].table, topology,
+                               sources=[state.mesh.ep_rank] * len(traces[name]))
+        predicted = {key: predicted[key] + traced[key] for key in predicted}
+    phases = {p: sum(stats[name][p]["remote_rows_sent"] for name in layers) for p in PHASES}
     return {
         "logits_rel": _rel(logits_b, logits_a), "grad_rel": max(_rel(grads_b[n], grads_a[n]) for n in grads_a),
         "kinds": sorted({type(layer.dispatcher).__name__ for layer in state.layers}),
-        "predicted_cross_node_rows": predicted, "phase_rows": phases, "nodes": per_node,
+        "predicted": predicted, "phase_rows": phases, "nodes": state.mesh.ep_nodes,
         "plain_remote_rows": sum(plain_stats[name]["dispatch"]["remote_rows_sent"] for name in layers),
         "dropped": sum(int((t < 0).sum()) for ts in traces.values() for t in ts),
     }

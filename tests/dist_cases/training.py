@@ -391,7 +391,7 @@ class _GroupedGemmDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: int = 1) -> dict:
+def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: int = 1, dispatcher: str = "auto") -> dict:
     """One forward and backward of the hybrid model (grouped_mm experts) under ``torch.autocast(bfloat16)``
     over fp32 weights, against the fp32 single-process reference. The bf16 round-off of that computation is
     measured by the reference model run the same way in one process, with eager experts (each expert GEMM
@@ -402,7 +402,7 @@ def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: 
     model, ref = _build(model_type, num_experts)
     bf16_ref = copy.deepcopy(ref)
     bf16_ref.set_experts_implementation("eager")
-    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep, overlap_degree=overlap_degree))
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=ep, overlap_degree=overlap_degree, dispatcher=dispatcher))
     batch = _global_inputs(ref, world, seed=3)
     gemms = _GroupedGemmDtypes()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -424,6 +424,7 @@ def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: 
     counters = hep.layer_counters(hep.comm_stats(model))
     return {
         "gemm_dtypes": sorted(gemms.dtypes), "hidden": model.config.hidden_size,
+        "top_k": hep.state_of(model).layers[0].load.top_k,
         "row_bytes": {phase: sorted({layer[phase]["bytes_sent"] // layer[phase]["rows_sent"] for layer in counters
                                      if layer[phase]["rows_sent"]}) for phase in ("dispatch", "combine",
                                                                                    "dispatch_backward", "combine_backward")},

@@ -4,11 +4,11 @@ Per layer, one ``all_to_all_single`` over the EP group carries, for every expert
 rows of every expert parameter and of their optimizer state (Adam's moments; with ZeRO-1 first assembled
 from the shards), as bytes, from the expert's first current holder; experts a rank keeps are copied locally.
 Parameters keep their identity where the slot count stays (``p.data`` is replaced), so the optimizer, its
-hooks and the model's references stay valid. Then what depends on the layout is rebuilt through the public
-relayout methods: the layer's table and dispatcher, the device-load accounting, the gradient reducer
-(:meth:`~hf_hybrid_ep.parallel.grads.GradientReducer.relayout`), the ZeRO-1 sharding and the sharded
-optimizer's views (:meth:`~hf_hybrid_ep.parallel.zero.ZeroSharding.relayout`,
-:meth:`~hf_hybrid_ep.parallel.zero.ShardedOptimizer.relayout`).
+hooks and the model's references stay valid. Then what depends on where the experts are is rebuilt through
+public methods: the layer's table and dispatcher, the device-load accounting, the gradient reducer
+(:meth:`~hf_hybrid_ep.parallel.grads.GradientReducer.rehome`), the ZeRO-1 sharding and the sharded
+optimizer's views (:meth:`~hf_hybrid_ep.parallel.zero.ZeroSharding.reshard`,
+:meth:`~hf_hybrid_ep.parallel.zero.ShardedOptimizer.reseat`).
 """
 
 from __future__ import annotations
@@ -155,10 +155,10 @@ def apply_tables(model: nn.Module, layers: list[ShardedExperts], reducer: Gradie
     if not moved:
         return 0
     holder_sets, holdings = expert_holdings(layers, reducer.mesh)
-    reducer.relayout(holdings, holder_sets)  # new holder groups, buckets; gradients dropped
+    reducer.rehome(holdings, holder_sets)  # new holder groups, buckets; gradients dropped
     if sharding is not None:
-        sharding.relayout(model)
-        optimizer.relayout(sharded_state, moved, scalars)
+        sharding.reshard(model)
+        optimizer.reseat(sharded_state, moved, scalars)
     return sent
 
 

@@ -1,4 +1,5 @@
-"""Expected and traced token traffic of a placement per link class (pair and node-deduplicated sends).
+"""Expected and traced token traffic of a placement per link class: one row per (token, expert) pair, or one
+per token and destination node / rank (the deduplicated dispatcher's rows).
 """
 
 from __future__ import annotations
@@ -77,20 +78,33 @@ def expected_traffic(stats: RoutingStats, table: PlacementTable, topology: Topol
 
 def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology: Topology | str | None,
                   sources: Sequence[int] | None = None) -> dict[str, float]:
-    """Exact expected node- and rack-deduplicated sends of recorded top-k indices (one ``[T, k]`` array
-    per layer, ``-1`` for dropped), for any k: a token from source s touches node n with probability
-    ``1 − Π_j (1 − q[s, e_j, n])`` (replica choices independent).
+    """Exact expected deduplicated sends of recorded top-k indices (one ``[T, k]`` array per layer, ``-1`` for
+    dropped), for any k: a token from source s touches node n with probability ``1 − Π_j (1 − q[s, e_j, n])``
+    (replica choices independent), and a rank likewise.
+
+    Returns ``cross_node`` (rows to other nodes), ``cross_rack_dedup`` (to other racks), ``rank_rows`` (rows
+    inside the destination nodes to a rank whose local index differs from the source's: the deduplicated
+    dispatcher's relays forward one row per (token, rank), the one with the source's local index keeps
+    its own) and ``pairs_remote`` (one row per pair to another rank: the per-pair exchange), in one
+    direction, and ``tokens``.
 
     ``sources``: the EP rank that sent each array (one per array); by default every token is equally
     likely to come from each EP rank. With the sources and a table without replicas the result is the
-    exact count the hierarchical dispatcher sends (its cross-node rows in one direction)."""
+    exact count the deduplicated dispatcher sends."""
     ep = table.ep_degree
     node, rack = _levels(ep, topology)
     P = _destination_probs(table)
     if sources is not None and len(sources) != len(indices):
         raise HybridEPConfigError(f"trace_traffic: {len(sources)} sources for {len(indices)} index arrays")
-    out = {"cross_node": 0.0, "cross_rack_dedup": 0.0, "tokens": 0}
-    for key, of in (("cross_node", node), ("cross_rack_dedup", rack)):
+    out = {"cross_node": 0.0, "cross_rack_dedup": 0.0, "rank_rows": 0.0, "pairs_remote": 0.0, "tokens": 0}
+    first_of_node = {int(n): int(np.flatnonzero(node == n)[0]) for n in np.unique(node)}
+    local = np.arange(ep) - np.array([first_of_node[int(n)] for n in node])
+    ranks = np.arange(ep)
+    # (key, group of each rank, which groups count as remote from source s)
+    levels = (("cross_node", node, lambda s: np.unique(node) != node[s]),
+              ("cross_rack_dedup", rack, lambda s: np.unique(rack) != rack[s]),
+              ("rank_rows", ranks, lambda s: local != local[s]))
+    for key, of, remote_from in levels:
         q = _group_probs(P, of)
         q = np.concatenate([q, np.zeros((ep, 1, q.shape[2]))], axis=1)  # row E: a dropped choice
         for i, index in enumerate(indices):
@@ -99,8 +113,10 @@ def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology
             senders = range(ep) if sources is None else [int(sources[i])]
             for s in senders:
                 touched = 1.0 - np.prod(1.0 - q[s][index], axis=1)  # [T, groups]
-                remote = np.arange(q.shape[2]) != of[s]
-                out[key] += float(touched[:, remote].sum()) / len(senders)
+                out[key] += float(touched[:, remote_from(s)].sum()) / len(senders)
+                if key == "cross_node":  # one row per pair to another rank
+                    pairs = np.concatenate([P[s], np.zeros((1, ep))])[index].sum(1)  # [T, ep]
+                    out["pairs_remote"] += float(pairs[:, np.arange(ep) != s].sum()) / len(senders)
     out["tokens"] = int(sum(len(i) for i in indices))
     return out
 
