@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .topology import EPGroupSpan, Topology, ep_group_span, nodes_spanned, ranks_per_node
 
 _MESH_CACHE: dict[tuple, HybridMesh] = {}
-_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class HybridMesh:
             return self.edp_group if self.rank in ranks else None  # an EDP group: built with the mesh
         if len(ranks) == self.world_size:
             return self.reduction_group
-        key = (id(dist.group.WORLD), *ranks)
+        key = (id(dist.group.WORLD), self.timeout, *ranks)  # a group is reused only at the same timeout
         if key not in _GROUP_CACHE:
             _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=self.timeout)
         return _GROUP_CACHE[key]
