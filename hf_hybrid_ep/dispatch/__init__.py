@@ -26,10 +26,12 @@ def resolve_backend(name: str, device_type: str = "cpu", *, ep_degree: int = 1, 
     """The concrete backend for ``name`` and why it was chosen; raise, with the reason, for a requested
     backend that cannot run here.
 
-    ``"auto"`` picks ``dedup`` wherever it sends fewer bytes than one row per pair: when an EP group spans
-    ``nodes > 1`` nodes, or when a token can have several of its ``top_k`` experts on one rank (``top_k ≥ 2``
-    and ``slots_per_rank ≥ 2``); otherwise the per-pair exchange, with the Triton kernels on CUDA when
-    importable (they serve the per-pair layout only).
+    ``"auto"`` picks ``dedup`` when an EP group spans ``nodes > 1`` nodes, and on CUDA also where a token can
+    have several of its ``top_k`` experts on one rank (``top_k ≥ 2`` and ``slots_per_rank ≥ 2``): there it sends
+    fewer bytes than one row per pair. Inside one node on the CPU it keeps the per-pair exchange: over gloo on
+    loopback the bytes saved cost less than the packing and fan-out (measured at 0.55–0.80× the per-pair
+    exchange's samples/s, docs/benchmarks.md). Otherwise the per-pair exchange, with the Triton kernels on CUDA
+    when importable (they serve the per-pair layout only).
     """
     if name not in DISPATCHER_BACKENDS:
         raise HybridEPConfigError(f"dispatcher backend {name!r} is not available; available: "
@@ -50,12 +52,17 @@ def _auto(device_type: str, ep_degree: int, nodes: int, top_k: int, slots_per_ra
     if ep_degree > 1 and nodes > 1:
         return "dedup", (f"auto: the EP group spans {nodes} nodes, so each token crosses to a node once and to a "
                          "rank once" + (" (the Triton kernels serve the per-pair exchange only)" if triton else ""))
-    if ep_degree > 1 and top_k >= 2 and slots_per_rank >= 2:
+    if ep_degree > 1 and top_k >= 2 and slots_per_rank >= 2 and device_type == "cuda":
         return "dedup", (f"auto: top-k {top_k} with {slots_per_rank} experts per rank, so a token's pairs on one "
                          "rank travel as one row" + (" (the Triton kernels serve the per-pair exchange only)"
                                                       if triton else ""))
-    reason = ("one rank per EP group: nothing crosses ranks" if ep_degree == 1 else
-              f"top-k {top_k} with {slots_per_rank} expert(s) per rank: no token has two pairs on one rank")
+    if ep_degree == 1:
+        reason = "one rank per EP group: nothing crosses ranks"
+    elif top_k >= 2 and slots_per_rank >= 2:
+        reason = ("one node on the CPU: the deduplicated exchange's packing and fan-out cost more than the bytes "
+                  "it saves over loopback (dispatcher='dedup' to compare)")
+    else:
+        reason = f"top-k {top_k} with {slots_per_rank} expert(s) per rank: no token has two pairs on one rank"
     return per_pair[0], f"auto: {reason}; the per-pair exchange ({per_pair[1]})"
 
 

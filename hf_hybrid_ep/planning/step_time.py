@@ -32,7 +32,7 @@ Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planning.plann
   also costs ``exchange_overhead_s`` (latency and the wait for the slowest peer; default 0, which suits
   large GPU exchanges; measured on a CPU world it is milliseconds);
 * with the deduplicated dispatcher (``dispatcher="dedup"``, or ``"auto"`` where it sends fewer bytes, as
-  the engine chooses: the EP group spans nodes, or k ≥ 2 with more than one expert per rank) a token
+  the engine chooses on CUDA: the EP group spans nodes, or k ≥ 2 with more than one expert per rank) a token
   travels once to each destination: under uniform routing over a contiguous placement a group of ``E_g``
   of the E experts holds one of a token's k distinct experts with probability
   ``p(E_g) = 1 − C(E − E_g, k)/C(E, k)``. Inside one node, ``p(E/ep) · (ep − 1) · T`` rows per exchange go
@@ -276,7 +276,8 @@ def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_ch
 
 def deduplicates(dispatcher: str, counts: ModelCounts, ep: int, nodes: int) -> bool:
     """Whether ``dispatcher`` runs the deduplicated exchange for this layout: ``"dedup"``, or ``"auto"`` where
-    the engine picks it (an EP group over several nodes, or top-k ≥ 2 with more than one expert per rank)."""
+    the engine picks it on CUDA, the devices this model plans for (an EP group over several nodes, or top-k ≥ 2
+    with more than one expert per rank)."""
     if dispatcher == "dedup":
         return True
     return dispatcher == "auto" and ep > 1 and (nodes > 1 or (counts.top_k >= 2 and counts.num_experts // ep >= 2))
