@@ -18,6 +18,7 @@ module-level function of one of these modules:
 - :mod:`dist_cases.failures`: misbehaving ranks and impossible layouts, reported on every rank.
 - :mod:`dist_cases.integrations`: the stock Trainer and Accelerate loops.
 - :mod:`dist_cases.lora`: PEFT adapters on dense modules and sharded experts against PEFT in one process.
+- :mod:`dist_cases.trl`: TRL's SFT, DPO and GRPO trainers against the same trainer in one process.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from .training import (
     one_hot_expert_training,
     train_parity,
 )
+from .trl import grpo_compare, grpo_generate, trl_parity
 
 __all__ = [
     # constants and the comparison helper tests use directly
@@ -142,4 +144,8 @@ __all__ = [
     "inf_norm",
     "one_hot_expert_training",
     "train_parity",
+    # trl
+    "grpo_compare",
+    "grpo_generate",
+    "trl_parity",
 ]

@@ -1,0 +1,79 @@
+"""TRL's trainers on hybrid EP: ``HybridEP(SFTTrainer)``, ``HybridEP(DPOTrainer)`` and ``HybridEP(GRPOTrainer)``
+at world 4 (dp 2 × ep 2 and dp 1 × ep 4) against the same TRL trainer in one process on the global batch, by the
+parity criterion, with the model's own router aux loss on and formed over the global batch.
+
+Real gloo process groups (the shared pool of 4 ranks), a tiny Qwen3-MoE built from its config, TRL 1.16 itself
+as the reference.
+"""
+
+from __future__ import annotations
+
+import dist_cases as cases
+import parity
+import pytest
+
+pytest.importorskip("trl")
+
+LAYOUTS = [(2, 2), (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(kind, **opts)`` → the path of the single-process run's record (trained once per module)."""
+    import trl_cases as tc
+
+    made: dict[str, str] = {}
+
+    def record(kind: str, **opts) -> str:
+        key = f"{kind}-{sorted(opts.items())}"
+        if key not in made:
+            work = tmp_path_factory.mktemp(kind)
+            made[key] = str(work / "reference.pt")
+            tc.reference(kind, str(work / "run"), 4, cases.trl.PER_RANK, made[key], **opts)
+        return made[key]
+
+    return record
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: f"dp{v[0]}xep{v[1]}")
+@pytest.mark.parametrize("opts", [{"completion_only": True}, {"completion_only": False, "packing": True, "lora": True}],
+                         ids=["completion-only-full", "packed-lora"])
+def test_sft_parity(pools, reference, tmp_path, layout, opts):
+    # two AdamW steps of two accumulated micro-batches with clipping: prompt-completion data with the loss on the
+    # completions, all weights trained; packed text (padding-free rows) with LoRA on attention and the experts
+    record = reference("sft", **opts)
+    results = pools(4).run(cases.trl_parity, "sft", *layout, str(tmp_path / "run"), record, **opts)
+    parity.assert_faithful(results)
+    _assert_metrics(results, ("aux_loss",))  # the model's own aux loss, over the global batch
+
+
+def _assert_metrics(results: list[dict], keys: tuple[str, ...]) -> None:
+    """The trainer's own logged metrics (gathered over the ranks by TRL) equal the single process's."""
+    for r in results:
+        for key in keys:
+            assert r["metric_rels"][key] <= parity.REL_TOL, (key, r["metric_rels"], r["logged"])
+
+
+def _assert_rewards(results: list[dict]) -> None:
+    """DPO's implicit rewards ``β·(log π − log π_ref)`` are differences of sequence log-probabilities: their
+    round-off is the log-probabilities' (``REL_TOL`` of them), not a fraction of the small difference."""
+    import trl_cases as tc
+
+    for r in results:
+        mine, ref = r["logged"], r["reference_logged"]
+        scale = max(abs(v) for key in ("logps/chosen", "logps/rejected") for v in ref[key])
+        for key, terms in (("rewards/chosen", 2), ("rewards/rejected", 2), ("rewards/margins", 4)):
+            diff = max(abs(a - b) for a, b in zip(mine[key], ref[key], strict=True))
+            assert diff <= terms * parity.REL_TOL * tc.DPO_BETA * scale, (key, diff, mine[key], ref[key])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: f"dp{v[0]}xep{v[1]}")
+@pytest.mark.parametrize("opts", [{"lora": True}, {"full_reference": True}], ids=["lora", "full-reference"])
+def test_dpo_parity(pools, reference, tmp_path, layout, opts):
+    # LoRA: the reference is the adapter-disabled policy (TRL's own choice with peft_config); full: a reference
+    # model parallelized like the policy (experts sharded, no gradients). Loss, rewards and margins as one process.
+    record = reference("dpo", **opts)
+    results = pools(4).run(cases.trl_parity, "dpo", *layout, str(tmp_path / "run"), record, **opts)
+    parity.assert_faithful(results)
+    _assert_metrics(results, ("logps/chosen", "logps/rejected", "aux_loss"))
+    _assert_rewards(results)
