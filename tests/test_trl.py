@@ -77,3 +77,22 @@ def test_dpo_parity(pools, reference, tmp_path, layout, opts):
     parity.assert_faithful(results)
     _assert_metrics(results, ("logps/chosen", "logps/rejected", "aux_loss"))
     _assert_rewards(results)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: f"dp{v[0]}xep{v[1]}")
+def test_grpo_generates_under_ep_and_equals_one_process_on_its_completions(pools, tmp_path, layout):
+    # transformers generation under EP, end to end: completions end at different steps on different ranks and the
+    # ranks that are done keep stepping. The single process replays the same completions (TRL's rollout_func):
+    # rewards, loss, gradients and updates as one process.
+    import trl_cases as tc
+
+    pool = pools(4)
+    runs = pool.run(cases.grpo_generate, *layout, str(tmp_path / "run"))
+    calls = len(runs[0]["completions"])
+    global_batches = [[ids for r in runs for ids in r["completions"][call]] for call in range(calls)]
+    assert any(len(set(lengths)) > 1 for lengths in zip(*runs[0]["longest_per_rank"], strict=True)), runs[0]
+    record = str(tmp_path / "reference.pt")
+    tc.reference("grpo", str(tmp_path / "reference"), 4, cases.trl.PER_RANK, record, completions=global_batches)
+    results = pool.run(cases.grpo_compare, record)
+    parity.assert_faithful(results)
+    _assert_metrics(results, ("reward", "reward_std"))

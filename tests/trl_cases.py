@@ -27,6 +27,7 @@ LORA_TARGETS = {"target_modules": ["q_proj", "v_proj"],
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected", "aux_loss", "reward", "reward_std")
 DPO_BETA = 0.1  # DPOConfig's default
+EOS_BIAS = 3.0
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -97,8 +98,9 @@ def arguments(kind: str, output_dir: str, per_device: int, packing: bool = False
         return DPOConfig(**_common(output_dir, per_device), gradient_accumulation_steps=2, **extra)
     from trl import GRPOConfig
 
+    # EOS favoured while sampling (only there), so that completions end at different steps on different ranks
     return GRPOConfig(**_common(output_dir, per_device), num_generations=4, max_completion_length=6, beta=0.0,
-                      shuffle_dataset=False, **extra)
+                      shuffle_dataset=False, generation_kwargs={"sequence_bias": [[[EOS], EOS_BIAS]]}, **extra)
 
 
 def peft_config():
@@ -166,11 +168,28 @@ def logged(trainer) -> dict[str, list[float]]:
     return out
 
 
+def replay(completions: list[list[list[int]]]):
+    """A GRPO ``rollout_func`` (TRL's hook for custom generation) that returns the recorded completions, one
+    generation batch per call, in order."""
+    pending = list(completions)
+
+    def rollout(prompts: list[str], trainer) -> dict:
+        batch = pending.pop(0)
+        assert len(batch) == len(prompts), (len(batch), len(prompts))
+        return {"prompt_ids": trainer.processing_class(prompts)["input_ids"], "completion_ids": batch,
+                "logprobs": None}
+
+    return rollout
+
+
 def reference(kind: str, output_dir: str, world: int, per_rank: int, record_path: str, *, lora: bool = False,
-              full_reference: bool = False, **opts) -> dict:
+              full_reference: bool = False, completions: list | None = None, **opts) -> dict:
     """One process training on the global batch; its record (logs, first gradients, initial adapters, final
-    trainable parameters) saved to ``record_path``."""
+    trainable parameters) saved to ``record_path``. GRPO replays ``completions`` (each generation batch of the
+    world, rank after rank)."""
     kwargs = trainer_kwargs(kind, output_dir, world * per_rank, lora=lora, **opts)
+    if completions is not None:
+        kwargs["rollout_func"] = replay(completions)
     if full_reference:
         kwargs["ref_model"] = model()
     trainer = trainer_class(kind)(model=model(), **kwargs)
