@@ -64,6 +64,7 @@ def train_parity(
     rebalance_over: float | None = None,
     topology: str | None = None,
     overlap_degree: int = 1,
+    router_aux: tuple[float, str] | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -75,7 +76,8 @@ def train_parity(
     placement is the one stored in the index). ``fault`` injects one of :data:`faults.FAULTS` into the
     hybrid run (undone when the case returns), to show that the criterion catches it. With
     ``rebalance_every``, experts move online (``after_optimizer_step`` after every optimizer step); the tables
-    before and after each rebalance are returned.
+    before and after each rebalance are returned. ``router_aux = (coef, scope)``: the model's own router aux loss on
+    in both (``output_router_logits``), formed by the hybrid model over the tokens ``aux_loss_scope=scope`` says.
     """
     import faults
 
@@ -84,6 +86,8 @@ def train_parity(
     if skew is not None:
         _skew_routers(model, *skew)
         _skew_routers(ref, *skew)
+    for m in (model, ref) if router_aux is not None else ():
+        m.config.output_router_logits, m.router_aux_loss_coef = True, router_aux[0]
     initial = copy.deepcopy(ref)
     measured_names = parity.zero_initialised(initial)
     if dispatcher == "triton":
@@ -94,7 +98,8 @@ def train_parity(
                                 dense_sharding=dense_sharding, bucket_size_mb=bucket_size_mb,
                                 overlap_grad_reduce=overlap_grad_reduce, rebalance_every=rebalance_every,
                                 rebalance_replicas=rebalance_replicas, rebalance_when_imbalance_over=rebalance_over,
-                                topology=topology, overlap_degree=overlap_degree)
+                                topology=topology, overlap_degree=overlap_degree,
+                                aux_loss_scope=router_aux[1] if router_aux else "local")
     model = _hybrid_model(model, ref, config, load_from)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
