@@ -48,3 +48,11 @@ def test_global_batch_aux_loss_equals_one_process_on_the_global_batch(pools, lay
                              router_aux=(0.1, "local"))
         parity.record(local)
         assert all({"loss", "step0_grads"} <= set(parity.failed_checks(r)) for r in local), local[0]
+
+
+def test_the_engines_router_losses_over_the_global_batch(pools):
+    # aux_loss_coef / z_loss_coef with aux_loss_scope="global": the value on every rank and the world-averaged
+    # router gradients are the Switch and z losses over the global batch, written out in one process
+    for layout in ((2, 2), (1, 4)):
+        for r in pools(4).run(cases.engine_aux_global, *layout):
+            assert r["value_rel"] <= parity.REL_TOL and r["grad_rel"] <= parity.REL_TOL, (layout, r)

@@ -431,3 +431,42 @@ def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: 
         "loss": (_rel(mean_loss / world, ref_loss.detach()), _rel(bf16_loss.detach().float(), ref_loss.detach())),
         "tensors": tensors,
     }
+
+
+def engine_aux_global(dp: int, ep: int) -> dict:
+    """The engine's own router losses (``aux_loss_coef`` / ``z_loss_coef``) with ``aux_loss_scope="global"``: their
+    value on this rank and the routers' world-averaged gradient, against the Switch and z losses written out over
+    the global batch in one process (the unsharded reference's router outputs)."""
+    from hf_hybrid_ep.moe.router_rules import find_router
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    plain = copy.deepcopy(model)
+    coef, z_coef = 0.1, 0.01  # large enough that the language-model loss's round-off does not mask them
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, aux_loss_scope="global",
+                                              aux_loss_coef=coef, z_loss_coef=z_coef))
+    hep.parallelize(plain, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    batch = _global_inputs(ref, world, seed=7)
+    routers = {id(m): [layer.load.router for layer in hep.state_of(m).layers] for m in (model, plain)}
+    routers[id(ref)] = [find_router(ref, n, e.num_experts)[1] for n, e in hep.find_experts_modules(ref)]
+    outs: list = []
+    hooks = [r.register_forward_hook(lambda m, a, o: outs.append(o)) for r in routers[id(ref)]]
+    ref(**batch)
+    for h in hooks:
+        h.remove()
+    want = 0.0
+    for logits, _, index in outs:
+        tokens_per_expert = torch.bincount(index.reshape(-1), minlength=4).float()
+        want = want + coef * 4 * (tokens_per_expert / index.numel() * torch.softmax(logits.float(), -1).mean(0)).sum()
+        want = want + z_coef * torch.logsumexp(logits.float(), -1).pow(2).mean()
+    want.backward()
+    losses = [m(**_rank_slice(batch, rank)).loss for m in (model, plain)]
+    for loss in losses:  # the same language-model loss: the difference is the router losses' gradient
+        loss.backward()
+    grad_rels = []
+    for mine, base, r in zip(routers[id(model)], routers[id(plain)], routers[id(ref)], strict=True):
+        grad = mine.weight.grad - base.weight.grad
+        dist.all_reduce(grad)  # DDP's mean
+        grad_rels.append(_rel(grad / world, r.weight.grad))
+    value = (losses[0] - losses[1]).item()
+    return {"value_rel": abs(value - want.item()) / want.item(), "grad_rel": max(grad_rels)}
