@@ -96,3 +96,56 @@ def test_grpo_generates_under_ep_and_equals_one_process_on_its_completions(pools
     results = pool.run(cases.grpo_compare, record)
     parity.assert_faithful(results)
     _assert_metrics(results, ("reward", "reward_std"))
+
+
+def _single_process_model(**config):
+    import trl_cases as tc
+
+    import hf_hybrid_ep as hep
+
+    return hep.parallelize(tc.model(), hep.HybridEPConfig(**config))
+
+
+@pytest.mark.parametrize(("kind", "config", "args", "message"), [
+    ("sft", {"aux_loss_coef": 0.01}, {}, r"aux_loss_coef / z_loss_coef .*SFTTrainer does not use"),
+    ("grpo", {}, {"use_vllm": True}, r"use_vllm=True.*cannot sync from sharded experts"),
+    ("grpo", {}, {"use_transformers_continuous_batching": True}, r"continuous batching .*\(synced_gpus\)"),
+], ids=["engine-aux-loss", "vllm", "continuous-batching"])
+def test_what_the_engine_cannot_follow_is_refused_before_the_trainer_is_built(tmp_path, kind, config, args, message):
+    import trl_cases as tc
+
+    import hf_hybrid_ep as hep
+    from hf_hybrid_ep.integrations import HybridEP
+
+    kwargs = tc.trainer_kwargs(kind, str(tmp_path), 4)  # GRPO's generation batch: a multiple of its group size
+    for key, value in args.items():
+        setattr(kwargs["args"], key, value)
+    with pytest.raises(hep.HybridEPConfigError, match=message):
+        HybridEP(tc.trainer_class(kind))(model=_single_process_model(**config), **kwargs)
+
+
+def test_dpo_given_a_peft_model_without_a_reference_is_refused(tmp_path):
+    # DPOTrainer adds a "ref" copy of the adapter after parallelize, which the engine's expert layout lacks
+    import trl_cases as tc
+    from peft import get_peft_model
+
+    import hf_hybrid_ep as hep
+    from hf_hybrid_ep.integrations import HybridEP
+
+    model = hep.parallelize(get_peft_model(tc.model(), tc.peft_config()), hep.HybridEPConfig())
+    with pytest.raises(hep.HybridEPConfigError, match=r"no ref_model adds a 'ref' copy of the adapter"):
+        HybridEP(tc.trainer_class("dpo"))(model=model, **tc.trainer_kwargs("dpo", str(tmp_path), 2))
+
+
+def test_hybrid_ep_makes_one_class_per_trainer_class():
+    import trl
+    from transformers import Trainer
+
+    from hf_hybrid_ep.integrations import HybridEP
+
+    assert HybridEP(trl.SFTTrainer) is HybridEP(trl.SFTTrainer)
+    assert HybridEP(trl.SFTTrainer).__mro__[1:3] == (HybridEP(trl.SFTTrainer).__mro__[1], trl.SFTTrainer)
+    with pytest.raises(TypeError, match="already a hybrid-EP trainer"):
+        HybridEP(HybridEP(Trainer))
+    with pytest.raises(TypeError, match="transformers.Trainer or a subclass"):
+        HybridEP(dict)

@@ -31,6 +31,10 @@ def is_trl_trainer(trainer_class: type) -> bool:
     return any(c.__module__.split(".")[0] == "trl" for c in trainer_class.__mro__)
 
 
+def _is_dpo(trainer_class: type) -> bool:
+    return any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in trainer_class.__mro__)
+
+
 def check_construction(trainer_class: type, model: nn.Module, kwargs: dict) -> None:
     """Refuse, before the trainer is built, what it would do that hybrid EP cannot train faithfully (``kwargs``:
     the construction's arguments by name)."""
@@ -43,6 +47,11 @@ def check_construction(trainer_class: type, model: nn.Module, kwargs: dict) -> N
                                       "parallelize are not handled; apply get_peft_model before parallelize")
     if not is_trl_trainer(trainer_class):
         return
+    if is_peft_model(model) and kwargs.get("ref_model") is None and _is_dpo(trainer_class):
+        raise HybridEPConfigError(
+            f"{name} given a PeftModel and no ref_model adds a 'ref' copy of the adapter, which the experts' "
+            "sharded adapters cannot take: pass the parallelized base model with peft_config=... (the reference "
+            "is then the adapter-disabled policy) or a ref_model")
     config = state_of(model).config
     if config.aux_loss_coef or config.z_loss_coef:
         raise HybridEPConfigError(
