@@ -56,3 +56,12 @@ def test_the_engines_router_losses_over_the_global_batch(pools):
     for layout in ((2, 2), (1, 4)):
         for r in pools(4).run(cases.engine_aux_global, *layout):
             assert r["value_rel"] <= parity.REL_TOL and r["grad_rel"] <= parity.REL_TOL, (layout, r)
+
+
+def test_routing_recorded_in_generation_is_replayed_in_the_training_forward(pools):
+    # greedy generation under EP at dp1×ep2, the ranks asking for 3 and 6 new tokens (the shorter keeps stepping)
+    for r in pools(2).run(cases.routing_replay, [3, 6]):
+        assert r["identity_rel"] <= parity.REL_TOL, r  # unchanged routers: replay changes nothing
+        assert r["replayed_equal"] and r["router_grads"], r
+        assert r["free_differs"] > 0, r  # the moved routers alone would have chosen other experts
+        assert r["recorded_positions"] >= r["sequence_length"] - 1, r

@@ -46,7 +46,7 @@ from .failures import (
     nan_in_router_input,
     replica_check,
 )
-from .inference import forward_parity, generate_uneven
+from .inference import forward_parity, generate_uneven, routing_replay
 from .integrations import (
     accelerate_loop,
     fsdp_under_accelerate,
@@ -114,6 +114,7 @@ __all__ = [
     # inference
     "forward_parity",
     "generate_uneven",
+    "routing_replay",
     # integrations
     "accelerate_loop",
     "fsdp_under_accelerate",
