@@ -6,6 +6,7 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.load import from_pretrained
+from .checkpoint.save import save_hybrid_checkpoint
 from .config import HybridEPConfig
 from .dispatch import PlacementTable
 from .engine import (
@@ -13,6 +14,7 @@ from .engine import (
     after_optimizer_step,
     clip_grad_norm_,
     comm_stats,
+    eval_layout,
     full_state_dict,
     layer_counters,
     make_optimizer,
@@ -25,7 +27,7 @@ from .engine import (
     state_of,
     wait_for_parameters,
 )
-from .errors import HybridEPConfigError
+from .errors import HybridEPConfigError, NonFiniteGradientError
 from .hub import push_to_hub
 from .inference.offload import cache_stats, load_offloaded, offload, resize_offload
 from .inference.policies import ExpertCache
@@ -50,6 +52,7 @@ __all__ = [
     "convert_checkpoint",
     "ExpertCache",
     "ExpertFreezer",
+    "eval_layout",
     "export_checkpoint",
     "find_experts_modules",
     "from_pretrained",
@@ -63,6 +66,7 @@ __all__ = [
     "memory_report",
     "load_offloaded",
     "MemoryStore",
+    "NonFiniteGradientError",
     "no_sync",
     "offload",
     "parallelize",
@@ -71,6 +75,7 @@ __all__ = [
     "record_routing",
     "replay_routing",
     "reset_comm_stats",
+    "save_hybrid_checkpoint",
     "resize_offload",
     "after_optimizer_step",
     "shard_optimizer",

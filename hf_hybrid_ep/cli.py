@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan_command(sub)
     _add_place_command(sub)
     _add_report_commands(sub)
+    _add_launch_command(sub)
     return parser
 
 
@@ -65,7 +66,7 @@ def _add_plan_command(sub) -> None:
                    "MoE models are shipped: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, "
                    "deepseek-ai/DeepSeek-V3, openai/gpt-oss-120b)")
     p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpu-memory-gb", type=float, required=True)
+    p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU in GiB (80 for an \"80 GB\" H100)")
     p.add_argument("--topology", default=None, help="e.g. gpus_per_node=8,nvlink_gbps=300,network_gbps=25")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096)
@@ -130,8 +131,24 @@ def _add_report_commands(sub) -> None:
 
     p = sub.add_parser("inspect", help="layers, experts, ranks and bytes per file")
     p.add_argument("ckpt")
-    p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum")
+    p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum and report "
+                   "tensors holding NaN or inf (exit status 1 when there are any)")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_launch_command(sub) -> None:
+    from .integrations.launch import __doc__ as launch_doc
+
+    p = sub.add_parser("launch", help="run a training job and restart it whole after a failure (resuming from its "
+                       "newest complete checkpoint), optionally at a smaller world",
+                       description=launch_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts after a failure (default 3)")
+    p.add_argument("--min-processes", type=int, default=None, help="allow a restart at fewer processes, down to "
+                   "this many, after an attempt that wrote no new checkpoint (the planner picks the layout)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU for the planner (default: "
+                   "the first GPU's, or the host's memory divided by the processes)")
+    p.add_argument("job", nargs=argparse.REMAINDER, help="-- then the launch command (accelerate launch ..., "
+                   "torchrun ...)")
 
 
 def _read_placement(path: str | None) -> list[list[int]] | dict[str, list[list[int]]] | None:
@@ -146,13 +163,15 @@ def _read_placement(path: str | None) -> list[list[int]] | dict[str, list[list[i
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse out-of-range numeric flags, naming the flag and the value, before any work."""
     positive = {"ep_degree": "--ep-degree", "max_shard_size_mb": "--max-shard-size-mb", "gpus": "--gpus",
-                "micro_batch": "--micro-batch", "seq_len": "--seq-len"}
+                "micro_batch": "--micro-batch", "seq_len": "--seq-len", "min_processes": "--min-processes"}
     for name, flag in positive.items():
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise HybridEPConfigError(f"{flag} must be a positive integer, got {value}")
-    if getattr(args, "gpu_memory_gb", None) is not None and not args.gpu_memory_gb > 0:
-        raise HybridEPConfigError(f"--gpu-memory-gb must be a positive number, got {args.gpu_memory_gb}")
+    if getattr(args, "gpu_memory_gib", None) is not None and not args.gpu_memory_gib > 0:
+        raise HybridEPConfigError(f"--gpu-memory-gib must be a positive number, got {args.gpu_memory_gib}")
+    if getattr(args, "max_restarts", None) is not None and args.max_restarts < 0:
+        raise HybridEPConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     if getattr(args, "replicas", None) is not None and args.replicas < 0:
         raise HybridEPConfigError(f"--replicas must be ≥ 0 (extra copies of hot experts), got {args.replicas}")
     if getattr(args, "tolerance", None) is not None and not args.tolerance >= 0:
@@ -281,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             if recipe == "fp32-sgd":
                 raise HybridEPConfigError("--precision fp32 --optimizer sgd is not a modelled recipe")
             calibration = _plan_calibration(args)
-            result = plan(args.model, args.gpus, args.gpu_memory_gb, args.topology, args.micro_batch, args.seq_len,
+            result = plan(args.model, args.gpus, args.gpu_memory_gib, args.topology, args.micro_batch, args.seq_len,
                           recipe, args.optimizer_sharding, args.dense_sharding,
                           trust_remote_code=args.trust_remote_code, tokens_per_step=args.tokens_per_step,
                           device_flops=calibration["flops_per_s"] if calibration else (
@@ -296,11 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "report":
             from .metrics import write_report
 
-            for path in write_report(args.stats, args.out):
+            written = write_report(args.stats, args.out)
+            for path in written:
                 print(f"wrote {path}")
+            print(written[-1].read_text(), end="")  # the summary
+        elif args.command == "launch":
+            from .integrations.launch import supervise
+
+            return supervise(args.job[1:] if args.job[:1] == ["--"] else args.job, args.max_restarts,
+                             args.min_processes, args.gpu_memory_gib)
         elif args.command == "inspect":
             summary = inspect_checkpoint(args.ckpt, verify=args.verify)
             print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+            if summary.get("nonfinite"):
+                return 1  # the checksums hold, but the weights are not usable
     except (CheckpointError, HybridEPConfigError, FileNotFoundError, ValueError) as err:
         print(f"hf-hybrid-ep {args.command}: error: {err}", file=sys.stderr)
         return 2

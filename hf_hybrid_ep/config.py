@@ -25,6 +25,10 @@ DISPATCHER_BACKENDS = ("auto", "torch", "triton", "dedup")
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")
+NONFINITE_GRAD_POLICIES = ("skip", "stop")
+# keys a hybrid-EP YAML file may hold beside the config's fields (HybridEPPlugin maps them onto TrainingArguments)
+TRAINING_SETTINGS = ("microbatch_size", "gradient_accumulation", "optimizer", "resume_from_checkpoint")
+MIN_COLLECTIVE_TIMEOUT_S = 10.0  # above two beats of a rank-0-only write (parallel/heartbeat.py, 5 s apart)
 DENSE_SHARDINGS = ("replicate", "fsdp")
 # Which tokens a router load-balancing loss is formed over (docs/trl.md, "The load-balancing loss").
 AUX_LOSS_SCOPES = ("local", "global")
@@ -35,7 +39,7 @@ def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, 
 
     Raises:
         HybridEPConfigError: naming ``label`` and the file — missing, not UTF-8, a syntax error (with
-            ``file:line:column``), or not a mapping.
+            ``file:line:column``), not a mapping, or keys beside the ``hybrid_ep:`` block (nothing reads them).
     """
     import yaml
 
@@ -52,7 +56,11 @@ def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, 
         problem = getattr(err, "problem", None) or str(err)
         raise HybridEPConfigError(f"{label} {where}: YAML syntax error: {problem}") from err
     if isinstance(data, Mapping) and "hybrid_ep" in data:
-        data = data["hybrid_ep"]
+        beside = sorted(str(k) for k in data if k != "hybrid_ep")
+        if beside:
+            raise HybridEPConfigError(f"{label} {str(path)!r}: key(s) {beside} stand beside the 'hybrid_ep:' block, "
+                                      "where nothing reads them; move them inside it")
+        data = data["hybrid_ep"] or {}
     if not isinstance(data, Mapping):
         raise HybridEPConfigError(f"{label} {str(path)!r} must hold a mapping (optionally under 'hybrid_ep:'), "
                                   f"got {type(data).__name__}")
@@ -181,6 +189,19 @@ class HybridEPConfig:
             ``E × E`` counter, all-reduced with the loads once per optimizer step and written to
             ``expert_load.jsonl`` as ``coactivation``) for co-activation-aware placement.
 
+    Failures (docs/troubleshooting.md, "When things go wrong"):
+
+        collective_timeout_s: seconds a collective may take. Every process group the engine creates gets it, and
+            the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`) ends every surviving rank with one message
+            naming the collective, its group's ranks and the ranks that did not arrive when a collective (or a
+            Trainer run that holds DDP's) makes no progress for this long. ``None``: the default process group's
+            timeout (``TrainingArguments.ddp_timeout`` under ``scripts/train.py``; torch's default, 30 minutes
+            for gloo and 10 for NCCL, otherwise). At least 10.
+        on_nonfinite_grad: when the global gradient norm is NaN or inf: ``"skip"`` the optimizer step on every
+            rank (counted, logged with the layers whose gradients were non-finite) or ``"stop"`` the run with
+            ``hf_hybrid_ep.NonFiniteGradientError``.
+        max_consecutive_skips: stop the run after this many optimizer steps skipped in a row.
+
     Online rebalancing (off by default; :mod:`hf_hybrid_ep.moe.rebalance`, docs/placement.md): after an
     optimizer step (``after_optimizer_step``) experts move between EP ranks, with their optimizer state, to
     per-layer tables fitted to the loads since the last rebalance; training stays faithful.
@@ -222,6 +243,9 @@ class HybridEPConfig:
     topology: str | None = None
     coactivation_stats: bool = False
     verify_checksums: bool = True
+    collective_timeout_s: float | None = None
+    on_nonfinite_grad: str = "skip"
+    max_consecutive_skips: int = 5
     rebalance_every: int | None = None
     rebalance_when_imbalance_over: float | None = None
     rebalance_replicas: int = 0
@@ -249,9 +273,10 @@ class HybridEPConfig:
         known = set(config_fields())
         unknown = sorted(set(data) - known)
         if unknown:
-            raise HybridEPConfigError(
-                f"unknown HybridEPConfig key(s) {unknown}; known keys: {sorted(known)}"
-            )
+            training = sorted(set(unknown) & set(TRAINING_SETTINGS))
+            hint = (f"; {training} are training settings, read by HybridEPPlugin (scripts/train.py "
+                    "--hybrid_ep_config; examples/hybrid_ep.yaml)") if training else ""
+            raise HybridEPConfigError(f"unknown HybridEPConfig key(s) {unknown}; known keys: {sorted(known)}{hint}")
         return cls(**dict(data))
 
     @classmethod
@@ -277,13 +302,19 @@ class HybridEPConfig:
             _check_number(name, getattr(self, name), positive=False, optional=True)
         _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
         _check_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
-        for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "shadow_capacity"):
+        for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "shadow_capacity", "max_consecutive_skips"):
             check_int(name, getattr(self, name))
         for name in ("overlap_grad_reduce", "shadow_experts", "coactivation_stats", "verify_checksums"):
             _check_bool(name, getattr(self, name))
         _check_number("bucket_size_mb", self.bucket_size_mb, positive=True, unit=" of MiB")
         _check_choice("optimizer_sharding", self.optimizer_sharding, OPTIMIZER_SHARDINGS)
         _check_choice("dense_sharding", self.dense_sharding, DENSE_SHARDINGS)
+        _check_choice("on_nonfinite_grad", self.on_nonfinite_grad, NONFINITE_GRAD_POLICIES)
+        timeout = self.collective_timeout_s
+        _check_number("collective_timeout_s", timeout, positive=True, optional=True, unit=" of seconds")
+        if timeout is not None and timeout < MIN_COLLECTIVE_TIMEOUT_S:
+            raise HybridEPConfigError(f"collective_timeout_s={timeout!r} must be at least {MIN_COLLECTIVE_TIMEOUT_S:g} "
+                                      "seconds (ranks wait up to 5 s between two beats while rank 0 writes alone)")
         check_int("rebalance_every", self.rebalance_every, optional=True)
         over = self.rebalance_when_imbalance_over
         if over is not None and (isinstance(over, bool) or not isinstance(over, int | float) or not over > 1):

@@ -19,4 +19,9 @@ class ReplicaDivergenceError(RuntimeError):
     """Replicas of a parameter differ; the message names the parameter and the ranks."""
 
 
-__all__ = ["CheckpointError", "HybridEPConfigError", "ReplicaDivergenceError"]
+class NonFiniteGradientError(FloatingPointError):
+    """The global gradient norm was NaN or inf and the run is asked to stop (``on_nonfinite_grad="stop"``, or
+    ``max_consecutive_skips`` steps skipped in a row); the message names the layers and the ranks."""
+
+
+__all__ = ["CheckpointError", "HybridEPConfigError", "NonFiniteGradientError", "ReplicaDivergenceError"]

@@ -112,6 +112,22 @@ def append_jsonl(path: str | os.PathLike[str], step: int, report: dict[str, dict
         f.write(json.dumps(record) + "\n")
 
 
+def drop_records_after(path: str | os.PathLike[str], step: int) -> int:
+    """Remove the records of steps after ``step`` from an ``expert_load.jsonl`` (a run resumed from the checkpoint
+    of ``step`` logs them again), rewriting it atomically; returns how many were removed (0 without a file)."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(lines) - len(kept)
+
+
 REPORT_KEYS = ("tokens_per_rank", "imbalance_expert", "imbalance_rank", "dropped_fraction", "dead_experts")
 
 
@@ -187,12 +203,18 @@ def write_report(stats: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     written += _placement_plots(records, names, out, plt)
 
     first, last = records[0]["layers"], records[-1]["layers"]
+    steps = [r["step"] for r in records]
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
     lines = [f"{len(records)} records, steps {records[0]['step']}–{records[-1]['step']}, {len(names)} MoE layers",
              "layer: imbalance (expert max/mean) first → last; rank max/mean last; dropped last; dead last"]
     for n in names:
         a, b = first[n], last.get(n, first[n])
         lines.append(f"  {n}: {a['imbalance_expert']:.2f} → {b['imbalance_expert']:.2f}; "
                      f"{b['imbalance_rank']:.2f}; {b['dropped_fraction']:.3f}; {b['dead_experts']}")
+    if repeated:
+        lines.append(f"WARNING: step(s) {repeated[:10]} logged more than once (a resumed run appended to the log of an "
+                     "interrupted one; HybridEP(Trainer) drops the later records when it resumes): figures count them "
+                     "twice")
     events = [e for r in records for e in r.get("rebalances", [])]
     if events:
         lines.append(f"{len(events)} rebalances ({sum(bool(e.get('moved', True)) for e in events)} moved experts); "

@@ -8,8 +8,12 @@
 
 With no arguments it runs the embedded demo: a tiny Qwen3-MoE built from
 ``scripts/demo_assets/config.json``, a byte-level BPE tokenizer trained on the spot, and the Python
-documentation topics that ship with every Python (``pydoc_data.topics``) as the corpus; it writes
-``runs/demo/``. Thin by design: argument parsing, data preparation, then library calls.
+documentation topics that ship with every Python (``pydoc_data.topics``) as the corpus, with the flags of
+``DEMO_ARGS``; it writes ``runs/demo/``. With any argument ``DEMO_ARGS`` do not apply (each flag not given takes
+its ordinary default), while the model, tokenizer and corpus still default to the demo's. After a failure,
+``--resume_from_checkpoint latest`` resumes from the newest complete checkpoint of ``--output_dir`` (a fresh start
+without one); ``hf-hybrid-ep launch`` reruns the whole command. Thin by design: argument parsing, data preparation,
+then library calls.
 """
 
 from __future__ import annotations
@@ -77,19 +81,24 @@ class DataArguments:
     block_size: int = field(default=256, metadata={"help": "tokens per packed training sequence"})
     max_train_samples: int | None = field(default=None)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # checked before TrainingArguments starts the process group
+        if self.block_size < 1:
+            raise HybridEPConfigError(f"--block_size must be a positive number of tokens, got {self.block_size}")
         if self.train_file is not None:
-            train_file_builder(self.train_file)  # parsed before TrainingArguments starts the process group
+            train_file_builder(self.train_file)
 
 
 def train_file_builder(path: str) -> str:
-    """The ``datasets`` builder of a ``--train_file`` (by suffix); refuses other suffixes and missing files."""
+    """The ``datasets`` builder of a ``--train_file`` (by suffix); refuses other suffixes, missing files and files
+    with nothing to train on (empty, or only whitespace)."""
     suffix = Path(path).suffix.lower()
     if suffix not in TRAIN_FILE_BUILDERS:
         raise HybridEPConfigError(f"--train_file {path!r} has the unsupported suffix {suffix or '(none)'!r}; "
                                   f"accepted: {', '.join(TRAIN_FILE_BUILDERS)}")
     if not Path(path).is_file():
         raise HybridEPConfigError(f"--train_file {path!r} does not exist or is not a file")
+    if suffix != ".parquet" and not Path(path).read_bytes().strip():
+        raise HybridEPConfigError(f"--train_file {path!r} is empty or holds only whitespace: nothing to train on")
     return TRAIN_FILE_BUILDERS[suffix]
 
 
@@ -238,10 +247,11 @@ def _parse_freeze(spec: str | None):
 
 def main(argv: list[str]) -> None:
     argv = argv or DEMO_ARGS
+    if not torch.cuda.is_available() and not any(a.split("=")[0] == "--use_cpu" for a in argv):
+        argv = [*argv, "--use_cpu"]  # decided before TrainingArguments sets up the devices and the process group
+    started_here = not dist.is_initialized()
     parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, LoraArguments, TrainingArguments))
     model_args, data_args, ep_args, lora_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if not torch.cuda.is_available():
-        training_args.use_cpu = True
     engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
                     "device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing")
     engine_flags += ("shadow_experts", "shadow_capacity")
@@ -272,6 +282,9 @@ def main(argv: list[str]) -> None:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         train = pack(raw, tokenizer, data_args.block_size, data_args.text_column)
+    if len(train) == 0:
+        raise HybridEPConfigError(f"the training text holds fewer tokens than one block of --block_size "
+                                  f"{data_args.block_size}: give more text or a smaller --block_size")
 
     model = build_model(model_args, plugin, training_args.seed, lora)
     trainer = HybridEP(Trainer)(
@@ -284,9 +297,9 @@ def main(argv: list[str]) -> None:
         freeze_experts=_parse_freeze(ep_args.freeze_experts),
         freeze_from_step=ep_args.freeze_from_step,
     )
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # a path, or "latest"
     summary(trainer, result.metrics, model, data_args.block_size)
-    if dist.is_initialized():
+    if dist.is_initialized() and started_here:
         dist.barrier()
         dist.destroy_process_group()  # gloo aborts at exit otherwise
 
@@ -295,6 +308,8 @@ if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         main(sys.argv[1:])
-    except (HybridEPConfigError, CheckpointError) as err:
+    except (HybridEPConfigError, CheckpointError, hep.NonFiniteGradientError) as err:
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every rank raised the same error: nobody waits in a collective
         sys.exit(2)

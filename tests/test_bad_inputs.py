@@ -185,6 +185,15 @@ CASES: dict[str, Callable[[Path, Path], Bad]] = {
         "{tmp}/notes.md", "'.md'", ".txt, .json, .jsonl, .csv, .parquet"),
     "train-file-missing": _script_case(lambda tmp: ["--train_file", str(tmp / "corpus.txt")],
                                        "{tmp}/corpus.txt", "does not exist"),
+    "train-file-empty": _script_case(lambda tmp: ["--train_file", str(_file(tmp, "corpus.txt", ""))],
+                                     "{tmp}/corpus.txt", "is empty or holds only whitespace"),
+    "train-file-whitespace": _script_case(lambda tmp: ["--train_file", str(_file(tmp, "corpus.jsonl", " \n\t\n"))],
+                                          "{tmp}/corpus.jsonl", "is empty or holds only whitespace"),
+    "block-size-0": _script_case(lambda tmp: ["--block_size", "0"], "--block_size", "got 0"),
+    "block-size-negative": _script_case(lambda tmp: ["--block_size", "-8"], "--block_size", "got -8"),
+    "yaml-key-beside-block": _script_case(
+        lambda tmp: ["--hybrid_ep_config", str(_file(tmp, "ep.yaml", "microbatch_size: 4\nhybrid_ep: {ep_degree: 2}\n"))],
+        "{tmp}/ep.yaml", "['microbatch_size'] stand beside the 'hybrid_ep:' block"),
 }
 
 
@@ -230,7 +239,8 @@ def test_the_same_inputs_made_good_are_accepted(tmp_path: Path, source: Path) ->
     train = _train_script()
     for suffix, builder in {".txt": "text", ".JSON": "json", ".jsonl": "json", ".csv": "csv",
                             ".parquet": "parquet"}.items():
-        assert train.train_file_builder(str(_file(tmp_path, f"data{suffix}", ""))) == builder
+        text = "" if suffix == ".parquet" else "some text\n"  # a parquet file is read by datasets
+        assert train.train_file_builder(str(_file(tmp_path, f"data{suffix}", text))) == builder
     train.check_hybrid_ep_file(str(_file(tmp_path, "ok.yaml", "hybrid_ep:\n  optimizer: {type: AdamW, lr: 0.1}\n")))
 
 
@@ -276,7 +286,7 @@ def test_plan_runs_no_config_code_and_never_prompts_unless_trusted(tmp_path: Pat
     prompts: list[str] = []
     monkeypatch.setattr("builtins.input", lambda text="": prompts.append(text) or "y")
     try:
-        assert cli(["plan", "--model", str(model), "--gpus", "2", "--gpu-memory-gb", "1"]) == 2
+        assert cli(["plan", "--model", str(model), "--gpus", "2", "--gpu-memory-gib", "1"]) == 2
         assert "trust_remote_code=True" in capsys.readouterr().err
         assert not marker.exists() and prompts == []
         assert type(load_config(str(model), trust_remote_code=True)).__name__ == "CustomConfig"
@@ -300,6 +310,15 @@ def test_trust_remote_code_flag_reaches_the_library(command: str, flag: bool, tm
     target = "hf_hybrid_ep.planning.planner.plan" if command == "plan" else "hf_hybrid_ep.cli.convert_checkpoint"
     monkeypatch.setattr(target, record)
     argv = {"convert": ["convert", "SRC", str(tmp_path / "out")], "reshard": ["reshard", "CKPT", str(tmp_path / "out")],
-            "plan": ["plan", "--model", "M", "--gpus", "2", "--gpu-memory-gb", "1"]}[command]
+            "plan": ["plan", "--model", "M", "--gpus", "2", "--gpu-memory-gib", "1"]}[command]
     assert cli(argv + (["--trust-remote-code"] if flag else [])) == 2
     assert seen == {"trust_remote_code": flag}
+
+
+def test_a_text_shorter_than_one_block_is_refused_by_name(tmp_path: Path) -> None:
+    """Known only after tokenizing (the tokenizer is trained or loaded first): one clear error, no checkpoint."""
+    text = _file(tmp_path, "corpus.txt", "a few words only\n")
+    with pytest.raises(HybridEPConfigError, match="fewer tokens than one block of --block_size 512"):
+        _train_script().main(["--train_file", str(text), "--block_size", "512", "--output_dir", str(tmp_path / "run"),
+                              "--max_steps", "1", "--report_to", "none"])
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

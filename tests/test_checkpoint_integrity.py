@@ -102,14 +102,35 @@ def test_a_dead_writers_claim_and_staging_are_removed_and_reported(sources, tmp_
     (container / "out").mkdir(parents=True)
     (container / "claim.json").write_text(json.dumps(claim))
     (container / "out" / "half.safetensors").write_bytes(b"\0" * 2**20)
-    foreign = tmp_path / ".out.new-other"
+    foreign = tmp_path / ".out.new-other"  # another host's, but that host holds no claim of out: it is gone
     foreign.mkdir()
     (foreign / "claim.json").write_text(json.dumps({**claim, "host": "node-17"}))
     with caplog.at_level(logging.WARNING, logger="hf_hybrid_ep"):
         _convert(sources[0], out)
-    assert not container.exists() and foreign.exists()
-    assert f"PID {pid}, no longer running" in caplog.text and "1.0 MiB" in caplog.text
-    assert "leaving" in caplog.text and "node-17" in caplog.text
+    assert not container.exists() and not foreign.exists()
+    assert f"PID {pid} on host {socket.gethostname()!r}, no longer running" in caplog.text and "1.0 MiB" in caplog.text
+    assert "host 'node-17'" in caplog.text
+
+
+def test_staging_of_other_targets_without_a_live_claim_is_removed_by_the_next_save_into_the_directory(
+        sources, tmp_path, caplog):
+    """A full disk can leave a container with no claim file and no lock (the save of checkpoint-5, say); the next
+    save into the same directory, of any target, removes it and says so. Containers whose target is claimed by a
+    live writer (this host) or by another host are left."""
+    orphan = tmp_path / ".checkpoint-5.new-0123"
+    (orphan / "checkpoint-5").mkdir(parents=True)
+    (orphan / "checkpoint-5" / "model.safetensors").write_bytes(b"\0" * 2**20)
+    live, remote = tmp_path / ".checkpoint-6.new-4567", tmp_path / ".checkpoint-7.new-89ab"
+    for container, claim in ((live, {"host": socket.gethostname(), "pid": os.getpid()}),
+                             (remote, {"host": "node-17", "pid": 1})):
+        container.mkdir()
+        (tmp_path / f".{container.name.split('.')[1]}.lock").write_text(json.dumps({**claim, "save_id": "x"}))
+    with caplog.at_level(logging.WARNING, logger="hf_hybrid_ep"):
+        _convert(sources[0], tmp_path / "out")
+    assert not orphan.exists() and live.exists() and remote.exists()
+    assert "removing" in caplog.text and "checkpoint-5 (a writer that recorded no claim (a full disk?))" in caplog.text
+    assert "1.0 MiB" in caplog.text
+    assert f"checkpoint-6 is being written by PID {os.getpid()}" in caplog.text and "'node-17'" in caplog.text
 
 
 def test_files_of_two_saves_are_refused_naming_them(sources, tmp_path):

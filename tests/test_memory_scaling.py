@@ -65,7 +65,7 @@ def test_measured_bytes_equal_the_planner(pools, mode):
 
 
 def test_plan_takes_the_sharding_flags(capsys):
-    args = ["plan", "--model", "mistralai/Mixtral-8x7B-v0.1", "--gpus", "16", "--gpu-memory-gb", "80", "--json"]
+    args = ["plan", "--model", "mistralai/Mixtral-8x7B-v0.1", "--gpus", "16", "--gpu-memory-gib", "80", "--json"]
     assert cli(args) == 0
     plain = {(p["dp"], p["ep"]): p for p in json.loads(capsys.readouterr().out)["layouts"]}
     assert cli([*args, "--optimizer-sharding", "zero1", "--dense-sharding", "fsdp"]) == 0

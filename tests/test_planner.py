@@ -27,7 +27,7 @@ def test_parameter_counts_match_a_hand_computation():
 
 
 def test_layout_bytes_follow_the_recipe_exactly():
-    result = plan(TINY, gpus=4, gpu_memory_gb=1, micro_batch=1, seq_len=8)
+    result = plan(TINY, gpus=4, gpu_memory_gib=1, micro_batch=1, seq_len=8)
     counts = result["model"]
     by_layout = {(p["dp"], p["ep"]): p for p in result["layouts"]}
     assert set(by_layout) == {(4, 1), (2, 2), (1, 4)}
@@ -42,22 +42,34 @@ def test_layout_bytes_follow_the_recipe_exactly():
 
 
 def test_mixtral_8x7b_parameter_count_is_the_published_one():
-    result = plan("mistralai/Mixtral-8x7B-v0.1", gpus=8, gpu_memory_gb=141)
+    result = plan("mistralai/Mixtral-8x7B-v0.1", gpus=8, gpu_memory_gib=141)
     assert abs(result["model"]["total_params"] - 46.7e9) / 46.7e9 <= 0.005
     assert result["recommended"] == {"dp": 1, "ep": 8, "activation_checkpointing": False}
 
 
 def test_nothing_fits_says_what_would(capsys):
-    assert cli(["plan", "--model", "mistralai/Mixtral-8x7B-v0.1", "--gpus", "8", "--gpu-memory-gb", "40",
+    assert cli(["plan", "--model", "mistralai/Mixtral-8x7B-v0.1", "--gpus", "8", "--gpu-memory-gib", "40",
                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["recommended"] is None and not any(p["fits"] for p in result["layouts"])
     assert "more GPUs of this size do not help" in result["advice"]["message"]
+    assert "nothing fits on 8 × 40 GiB" in result["advice"]["message"]  # the unit of --gpu-memory-gib
     for key in ("dp", "ep", "memory_per_gpu_bytes", "fits", "comm_bytes_per_step", "est_step_comm_s"):
         assert key in result["layouts"][0]
     # a model whose experts can be spread thinner: more GPUs do help
-    more = plan(TINY, gpus=1, gpu_memory_gb=0.0013, seq_len=8)
+    more = plan(TINY, gpus=1, gpu_memory_gib=0.0013, seq_len=8)
     assert more["recommended"] is None and more["advice"]["gpus_needed"] in (2, 4)
+
+
+def test_the_text_states_its_units_and_the_gpus_per_node_it_assumes():
+    from hf_hybrid_ep.planning.planner import format_plan
+
+    text = format_plan(plan(TINY, gpus=4, gpu_memory_gib=1, seq_len=8))
+    assert "4 GPUs × 1 GiB" in text
+    assert "assumed: 8 GPUs per node (the default; give --topology gpus_per_node=N" in text
+    assert "memory in GiB (2^30 bytes), bandwidths in GB/s (10^9 bytes/s)" in text
+    given = format_plan(plan(TINY, gpus=4, gpu_memory_gib=1, seq_len=8, topology="gpus_per_node=2"))
+    assert "assumed: 2 GPUs per node (--topology gpus_per_node=2)" in given
 
 
 def test_topology_spec():
@@ -93,7 +105,7 @@ def test_sharded_bytes_follow_the_formula():
 
 def test_bytes_split_by_link_level_follow_the_topology():
     # 4 GPUs, 2 per node, one node per rack (so the network hop between the nodes is cross-rack)
-    result = plan(TINY, gpus=4, gpu_memory_gb=1, topology="gpus_per_node=2,nodes_per_rack=1", seq_len=8)
+    result = plan(TINY, gpus=4, gpu_memory_gib=1, topology="gpus_per_node=2,nodes_per_rack=1", seq_len=8)
     D, X = result["model"]["dense_params"], result["model"]["expert_params"]
     layouts = {(p["dp"], p["ep"]): p for p in result["layouts"]}
     p = layouts[(2, 2)]

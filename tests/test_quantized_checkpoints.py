@@ -281,7 +281,7 @@ def test_plan_reports_source_and_converted_sizes(sources, converted, family):
     src, _ = sources[family]
     from hf_hybrid_ep.planning.counts import load_config
 
-    model = plan(load_config(str(src)), gpus=2, gpu_memory_gb=80)["model"]
+    model = plan(load_config(str(src)), gpus=2, gpu_memory_gib=80)["model"]
     assert model["quantization"] == {"qwen3_moe": "fp8 block 16×16",
                                      "gpt_oss": "mxfp4 (e2m1 values, one e8m0 scale per 32)"}[family]
     assert model["checkpoint_bytes"] == sum(s.nbytes for s in read_index(src).specs.values())
@@ -291,9 +291,9 @@ def test_plan_reports_source_and_converted_sizes(sources, converted, family):
 def test_plan_of_the_hub_releases_states_both_sizes():
     from hf_hybrid_ep.planning.planner import format_plan
 
-    text = format_plan(plan("deepseek-ai/DeepSeek-V3", gpus=256, gpu_memory_gb=80))
+    text = format_plan(plan("deepseek-ai/DeepSeek-V3", gpus=256, gpu_memory_gib=80))
     assert "checkpoint: fp8 block 128×128, 673 GB" in text and "writes 1.34 TB" in text
-    text = format_plan(plan("openai/gpt-oss-120b", gpus=8, gpu_memory_gb=80))
+    text = format_plan(plan("openai/gpt-oss-120b", gpus=8, gpu_memory_gib=80))
     assert "checkpoint: mxfp4 (e2m1 values, one e8m0 scale per 32), 65.2 GB" in text and "writes 234 GB" in text
 
 

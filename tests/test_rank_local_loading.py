@@ -51,4 +51,12 @@ def test_a_rank_that_cannot_load_stops_every_rank(pools, tmp_path):
     results = pools(2).run(cases.load_with_a_missing_file, str(ep2), 1)
     assert all(r["alive"] for r in results)
     assert "missing checkpoint file" in results[1]["message"] and "rank001-of-002" in results[1]["message"]
-    assert "failed on rank(s) [1]" in results[0]["message"]
+    assert results[0]["message"] == results[1]["message"] and "(on rank(s) [1]; every rank stops)" in results[0]["message"]
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_one_message_on_every_rank(pools, tmp_path):
+    results = pools(2).run(cases.resume_another_model, str(tmp_path / "ckpt"))
+    assert results[0]["message"] == results[1]["message"], results
+    assert "is a checkpoint of another model (" in results[0]["message"], results
+    assert "experts: 4 in the checkpoint, 8 in the model" in results[0]["message"], results
+    assert "(on rank(s) [0, 1]; every rank stops)" in results[0]["message"]

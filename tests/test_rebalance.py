@@ -33,6 +33,20 @@ def test_training_with_rebalances_is_faithful(pools, dp, ep, optimizer_sharding)
             assert any(sent > 0 for _, sent in r["rebalances"]), (family, rank)  # experts moved
 
 
+def test_rebalancing_follows_an_optimizer_built_by_hand(pools):
+    """``torch.optim.AdamW(model.parameters())``, the README's loop shape, and ``after_optimizer_step(model)`` with no
+    optimizer: the experts move with their state (the optimizer is found stepping them), faithful after 4 steps."""
+    for r in pools(4).run(cases.train_parity, "mixtral", 2, 2, 4, steps=4, rebalance_every=1, plain_optimizer=True):
+        parity.assert_within_rel_tol(r)
+        assert any(sent > 0 for _, sent in r["rebalances"]), r["rebalances"]
+
+
+def test_a_rebalance_with_no_optimizer_is_refused_before_any_move(pools):
+    for r in pools(2).run(cases.rebalance_without_optimizer):
+        assert "no optimizer holding the expert parameters has stepped" in r["message"], r
+        assert "hf_hybrid_ep.make_optimizer" in r["message"] and r["unmoved"], r
+
+
 @pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
 def test_rebalances_with_fsdp2_dense_weights_are_faithful(pools, optimizer_sharding):
     """Dense weights FSDP2-sharded: their optimizer state lives outside the flat buckets and must survive the

@@ -82,7 +82,7 @@ LOADERS: dict[str, Callable[[Path, Path], object]] = {
                                                                  progress=False),
     "from_pretrained": lambda src, tmp: hep.from_pretrained(src),
     "load_offloaded": lambda src, tmp: hep.load_offloaded(src, capacity=2),
-    "plan": lambda src, tmp: plan(str(src), gpus=2, gpu_memory_gb=80),
+    "plan": lambda src, tmp: plan(str(src), gpus=2, gpu_memory_gib=80),
 }
 
 
@@ -120,7 +120,7 @@ src, out, marker = sys.argv[1:4]
 marker = pathlib.Path(marker)
 report = {}
 for name, argv in {"convert": ["convert", src, out, "--ep-degree", "2"],
-                   "plan": ["plan", "--model", src, "--gpus", "2", "--gpu-memory-gb", "80"]}.items():
+                   "plan": ["plan", "--model", src, "--gpus", "2", "--gpu-memory-gib", "80"]}.items():
     report[name] = {"rc": main(argv), "marker": marker.exists()}
 read_config(src, trust_remote_code=True)
 report["opt_in_marker"] = marker.exists()

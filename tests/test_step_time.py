@@ -184,7 +184,7 @@ def test_tiny_model_on_an_emulated_two_node_fabric() -> None:
 
 # the reference runs' T* and hybrid / pure-EP ratio are defined for the dispatcher that sends one row per
 # (token, expert): --dispatcher torch (the default, auto, models the hierarchical one where EP spans nodes)
-PLAN = ["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "16", "--gpu-memory-gb", "80", "--topology", QWEN_TOPO,
+PLAN = ["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "16", "--gpu-memory-gib", "80", "--topology", QWEN_TOPO,
         "--tokens-per-step", str(TOKENS), "--device-tflops", "989", "--efficiency", "0.4", "--optimizer-sharding", "zero1",
         "--dispatcher", "torch"]
 
@@ -236,7 +236,7 @@ def test_plan_prints_step_time_and_the_ratio(capsys: pytest.CaptureFixture[str])
 def test_bad_step_time_flags_are_refused_before_work(flags: list[str], names: list[str],
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     start = time.monotonic()
-    argv = ["plan", "--model", "no/such-model", "--gpus", "16", "--gpu-memory-gb", "80"] + flags
+    argv = ["plan", "--model", "no/such-model", "--gpus", "16", "--gpu-memory-gib", "80"] + flags
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-hybrid-ep plan: error: ") and "Traceback" not in err
@@ -265,7 +265,7 @@ def test_calibrate_is_short_and_says_links_come_from_the_spec(tmp_path: Path, ca
                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                    num_experts_per_tok=2).to_json_string())
     start = time.monotonic()
-    assert cli(["plan", "--model", str(model), "--gpus", "4", "--gpu-memory-gb", "1", "--seq-len", "64",
+    assert cli(["plan", "--model", str(model), "--gpus", "4", "--gpu-memory-gib", "1", "--seq-len", "64",
                 "--topology", "gpus_per_node=2", "--calibrate", "--calibrate-seconds", "1", "--json"]) == 0
     assert time.monotonic() - start < 30
     result = json.loads(capsys.readouterr().out)

@@ -145,3 +145,44 @@ def test_ddp_looks_for_unused_parameters_only_where_some_can_be_unused():
     assert may_leave_parameters_unused(build_tiny_model("qwen3_moe", num_experts=4)) is None
     vl = build_tiny_model("ernie4_5_vl_moe", num_experts=4, num_layers=3)  # text and vision experts per block
     assert "several experts modules" in (may_leave_parameters_unused(vl) or ""), may_leave_parameters_unused(vl)
+
+
+@pytest.mark.slow
+def test_resume_from_the_latest_complete_checkpoint_logs_each_step_once(pools, tmp_path):
+    """``resume_from_checkpoint="latest"`` after a run that saved checkpoint-2 and checkpoint-4, with checkpoint-4
+    missing a file (incomplete): it resumes from checkpoint-2, its losses equal the first run's, and
+    expert_load.jsonl holds every step once (a fresh start without any checkpoint: the recovery drill's first
+    attempt, tests/test_fault_drills.py)."""
+    from hf_hybrid_ep.integrations.resume import latest_checkpoint
+
+    pool, run = pools(2), tmp_path / "run"
+    first = pool.run(cases.trainer_run, 1, 2, str(run), 4, 2)[0]["losses"]
+    assert latest_checkpoint(run).name == "checkpoint-4"
+    resumed = pool.run(cases.trainer_resume_latest, str(run), 4, "scheduler.pt")
+    for r in resumed:
+        assert len(r["losses"]) == 4 and _rel(r["losses"][2:], first[2:]) <= cases.REL_TOL, (r["losses"], first)
+    assert [rec["step"] for rec in read_jsonl(run / "expert_load.jsonl")] == [1, 2, 3, 4]
+    assert latest_checkpoint(run).name == "checkpoint-4"  # written again, complete
+
+
+def test_the_ranks_must_read_different_data(pools):
+    same = pools(2).run(cases.distinct_inputs, True)
+    assert all("ranks [0, 1] received the same first batch" in r["message"] for r in same), same
+    assert all("use_cpu=True" in r["message"] for r in same)
+    assert all(r["message"] == "" for r in pools(2).run(cases.distinct_inputs, False))
+
+
+def test_evaluation_at_a_smaller_ep_degree_inside_training(pools, tmp_path):
+    """dp 2 × ep 2, evaluating after steps 1 and 2 at ep 1 (every rank holds all 4 experts, batch 4): the same
+    evaluation losses as at the training layout, the same training loss after, the training layout back."""
+    pool = pools(4)
+    plain = pool.run(cases.trainer_eval_layout, str(tmp_path / "plain"), None)
+    small = pool.run(cases.trainer_eval_layout, str(tmp_path / "small"), 1)
+    for a, b in zip(plain, small, strict=True):
+        assert len(b["eval_losses"]) == 2 and _rel(b["eval_losses"], a["eval_losses"]) <= cases.REL_TOL, (a, b)
+        assert _rel(b["losses"], a["losses"]) <= cases.REL_TOL, (a["losses"], b["losses"])
+        assert b["layout"] == a["layout"] and all(ep == 2 and shape[0] == 2 for ep, _, shape in b["layout"]), b
+    for r in pool.run(cases.eval_layout_refusals):
+        assert "ep_degree=3 must divide the training EP degree 4" in r["messages"][0], r
+        assert "evaluation at ep_degree=1 needs" in r["messages"][1] and "beyond the budget given" in r["messages"][1]
+        assert r["unchanged"] and [s[0] for s in r["inside"]] == [4, 4] and r["logits_rel"] <= cases.REL_TOL, r

@@ -25,6 +25,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -85,32 +86,49 @@ def _read_claim(lock: Path) -> dict:
 CLAIM_NAME = "claim.json"  # inside each staging container: host, PID and save id of its writer
 
 
-def _leftovers(target: Path) -> list[Path]:
-    """Staging containers of ``target`` (and ``.tmp-<pid>`` directories of versions before containers)."""
-    return sorted(p for p in target.parent.glob(f".{target.name}.*")
-                  if p.is_dir() and p.name[len(target.name) + 2:].split("-", 1)[0] in ("new", "tmp"))
+_CONTAINER = re.compile(r"^\.(?P<target>.+)\.(?:new|tmp)-[^/]+$")
+
+
+def _leftovers(directory: Path) -> list[tuple[Path, Path]]:
+    """``(staging container, its target)`` of every save staged in ``directory`` (also the ``.tmp-<pid>``
+    directories of versions before containers)."""
+    found = []
+    for p in sorted(directory.iterdir()) if directory.is_dir() else ():
+        match = _CONTAINER.match(p.name)
+        if match and p.is_dir():
+            found.append((p, directory / match["target"]))
+    return found
+
+
+def _live(claim: dict, host: str) -> bool:
+    """Whether a claim may belong to a running writer: this host's live PID, or any claim of another host."""
+    pid = claim.get("pid")
+    return bool(claim) and (claim.get("host") != host or (isinstance(pid, int) and _pid_alive(pid)))
 
 
 def _clean_leftovers(target: Path, host: str) -> None:
-    """Remove staging left by dead writers on this host (size reported); report others and leave them.
+    """Remove (and report, with their size) the staging containers of the directory of ``target`` — of any target
+    there — whose target holds no live claim: a writer holds its claim from before its container exists until
+    after it is gone, so such a container is what a crash, a kill or a full disk left. A container whose target is
+    claimed by a live writer, or by another host (whose PIDs cannot be checked from here), is reported and left.
     A ``.old-*`` copy beside a present target is what a portable commit had not yet removed."""
     if target.exists():
         for old in sorted(target.parent.glob(f".{target.name}.old-*")):
             logger.warning("removing %r (%.1f MiB), the previous copy of %s left by an interrupted save",
                            str(old), _dir_bytes(old) / 2**20, target.name)
             shutil.rmtree(old, ignore_errors=True)
-    for left in _leftovers(target):
-        held = _read_claim(left / CLAIM_NAME)
+    for left, owner in _leftovers(target.parent):
         size = f"{_dir_bytes(left) / 2**20:.1f} MiB"
-        pid = held.get("pid")
-        if held.get("host") == host and isinstance(pid, int) and not _pid_alive(pid):
-            logger.warning("removing %r (%s), left by an interrupted save of %s (PID %d, no longer running)",
-                           str(left), size, target.name, pid)
-            shutil.rmtree(left, ignore_errors=True)
-        else:
-            owner = f"PID {pid} on host {held.get('host')!r}" if held else "an unknown writer"
-            logger.warning("leaving %r (%s) of %s alone: written by %s; delete it by hand if that run is gone",
-                           str(left), size, target.name, owner)
+        lock = {} if owner == target else _read_claim(lock_path(owner))  # this target: claimed by us now
+        if _live(lock, host):
+            logger.warning("leaving %r (%s) alone: %s is being written by PID %s on host %r", str(left), size,
+                           owner.name, lock.get("pid"), lock.get("host"))
+            continue
+        writer = _read_claim(left / CLAIM_NAME)
+        was = (f"PID {writer.get('pid')} on host {writer.get('host')!r}, no longer running or holding no claim"
+               if writer else "a writer that recorded no claim (a full disk?)")
+        logger.warning("removing %r (%s), left by an interrupted save of %s (%s)", str(left), size, owner.name, was)
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def claim(target: Path, save_id: str) -> Path:

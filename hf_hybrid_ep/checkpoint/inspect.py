@@ -7,22 +7,28 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import CheckpointError
 from .dequantize import quantization_config_of, quantization_of
 from .format import read_index
 from .manifest import read_manifest, verify_checksums
+from .safetensors_io import TensorFiles
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
-    """Describe a (hybrid-EP or plain) safetensors checkpoint; with ``verify``, re-hash every file.
+    """Describe a (hybrid-EP or plain) safetensors checkpoint; with ``verify``, re-hash every file and read every
+    floating-point tensor, listing those that hold NaN or inf (``nonfinite``: name → how many elements).
 
     Raises:
         CheckpointError: for a checkpoint that fails its checks (naming the file or key).
     """
     index = read_index(path)
     manifest = read_manifest(index.root)
+    nonfinite = None
     if verify:
         verify_checksums(index)
+        nonfinite = nonfinite_tensors(index.root, index.weight_map)
     files: dict[str, dict[str, Any]] = {}
     for name in index.weight_map.values():
         entry = files.setdefault(name, {"tensors": 0, "bytes": (index.root / name).stat().st_size})
@@ -36,6 +42,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
         "checksums": manifest is not None or index.hybrid_ep is not None,
         "save_id": manifest["save_id"] if manifest else None,
         "quantization": _quantization(index.root),
+        "nonfinite": nonfinite,
     }
     meta = index.hybrid_ep
     if meta is not None:
@@ -53,6 +60,20 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
         )
         summary["dequantized_from"] = (meta.source.get("dequantized_from") or {}).get("description")
     return summary
+
+
+def nonfinite_tensors(root: Path, weight_map: dict[str, str]) -> dict[str, int]:
+    """Per tensor of the checkpoint that holds NaN or inf, how many of its elements do (one tensor in memory at a
+    time; float8 and other narrow types are widened to check)."""
+    found = {}
+    with TensorFiles(weight_map, lambda name: root / name) as files:
+        for key in sorted(weight_map):
+            t = files.read(key)
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
+                if bad:
+                    found[key] = bad
+    return found
 
 
 def _quantization(root: Path) -> str | None:
@@ -95,6 +116,13 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"weights dequantized from {summary['dequantized_from']} to {summary['dtype']}")
         if summary.get("verified"):
             lines.append("checksums: all files verified")
+    bad = summary.get("nonfinite")
+    if bad:
+        lines.append(f"NON-FINITE: {len(bad)} tensor(s) hold NaN or inf: "
+                     + ", ".join(f"{k} ({n} elements)" for k, n in list(bad.items())[:10])
+                     + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
+    elif bad is not None:
+        lines.append("every floating-point tensor is finite")
     else:
         lines.append("plain checkpoint (no hybrid_ep metadata)")
     if summary.get("quantization"):

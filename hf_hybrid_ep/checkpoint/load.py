@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import HybridEPConfig
 from ..engine.adapters import is_peft_model
+from ..engine.failures import agree_on_failure
 from ..engine.state import state_of
 from ..errors import CheckpointError, HybridEPConfigError
 from ..moe.discovery import unwrapped_name
@@ -228,15 +229,47 @@ def load_rank_local_(
         raise CheckpointError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
 
 
+STRUCTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def check_same_model(root: str | os.PathLike[str], model: nn.Module) -> None:
+    """Refuse a checkpoint of another model before reading any weight: its ``config.json`` must agree with the
+    model's on the sizes that shape the weights (:data:`STRUCTURE_KEYS` and every expert count).
+
+    Raises:
+        CheckpointError: naming the checkpoint and each differing key with both values.
+    """
+    path = Path(root) / "config.json"
+    if not path.is_file() or getattr(model, "config", None) is None:
+        return
+    try:
+        theirs = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{str(path)!r} is not a JSON config: {err}") from err
+    ours = model.config.to_dict()
+    keys = [k for k in ours if k in theirs and (k in STRUCTURE_KEYS or (
+        "expert" in k and "per_tok" not in k and isinstance(ours[k], int) and not isinstance(ours[k], bool)))]
+    differ = [f"{k}: {theirs[k]!r} in the checkpoint, {ours[k]!r} in the model" for k in keys if theirs[k] != ours[k]]
+    if differ:
+        raise CheckpointError(f"{str(root)!r} is a checkpoint of another model ({'; '.join(differ)}); resume from a "
+                              "checkpoint of this model, or build the model from this checkpoint (from_pretrained)")
+
+
 def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify: bool | None = None) -> None:
     """Resume: copy a hybrid-EP (or plain) checkpoint into a live parallelized model, in place —
     weights (this rank's experts only) and the side state, each file checked against the manifest
-    (sha256 unless ``verify=False``; default: the config's ``verify_checksums``)."""
+    (sha256 unless ``verify=False``; default: the config's ``verify_checksums``). A checkpoint of another model
+    is refused before any weight is read (:func:`check_same_model`); an error on any rank is raised on every
+    rank with the same message. Collective."""
 
-    verify = state_of(model).config.verify_checksums if verify is None else verify
-    verifier = open_checkpoint(root, verify=verify)
-    load_rank_local_(Path(root), model, state_of(model).layers, verifier=verifier)
-    load_side_state(model, root, verifier)
+    def load() -> None:
+        check_same_model(root, model)
+        verifier = open_checkpoint(root, verify=state_of(model).config.verify_checksums if verify is None else verify)
+        load_rank_local_(Path(root), model, state_of(model).layers, verifier=verifier)
+        load_side_state(model, root, verifier)
+
+    agree_on_failure(state_of(model).mesh, load)
 
 
 def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | dict[str, list[list[int]]] | None:

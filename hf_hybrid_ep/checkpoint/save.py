@@ -13,6 +13,7 @@ from torch import nn
 
 from ..engine.state import state_of
 from ..parallel.heartbeat import Heartbeat
+from ..parallel.watchdog import watched
 from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
 from .format import INDEX_NAME
 from .manifest import read_manifest, write_manifest
@@ -27,7 +28,8 @@ def broadcast_save(model: nn.Module, value: object) -> object:
     if mesh.world_group is None:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    with watched("broadcast of rank 0's save path"):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 

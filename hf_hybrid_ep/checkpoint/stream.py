@@ -153,19 +153,25 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
     file_map = ShardFileMap(experts, {layer.name: layer.table for layer in state.layers})
     files = beat.alone(lambda: _Files(directory, file_map.assign(schedule.specs), save_id))  # None but on rank 0
     scratch = gather_scratch(model) if state.mesh.edp_rank == 0 else None  # every expert parameter passes through
-    failure = None
+    failure, poisoned = None, []
     try:
         for unit, keys in zip(schedule.units, schedule.keys, strict=True):
-            if beat.beat(FAILED if failure else WORKING) == FAILED:  # rank 0 stops at its first failure
+            if beat.beat(FAILED if failure else WORKING, failure) == FAILED:  # rank 0 stops at its first failure
                 raise failure
             host = host_tensors(model, {n: tensors[n] for n in unit.names}, rank0_only=True, scratch=scratch)
             if files is not None and failure is None:
+                poisoned += nonfinite_names(host)
                 try:
                     files.write(_checked(_revert(model, host), keys, unit))
                 except Exception as err:  # reported to every rank at the next beat
                     failure = err
             del host  # one module in host memory at a time
-        if beat.beat(FAILED if failure else WORKING) == FAILED:
+        if poisoned and failure is None:
+            failure = CheckpointError(
+                f"refusing to save {directory.name}: {len(poisoned)} tensor(s) hold NaN or inf, e.g. "
+                f"{', '.join(poisoned[:5])}; a step with non-finite gradients or an overflow poisoned the weights "
+                "(resume from an earlier checkpoint)")
+        if beat.beat(FAILED if failure else WORKING, failure) == FAILED:
             raise failure
         total = sum(spec.nbytes for spec in schedule.specs.values())
         beat.alone(lambda: _finish(model, directory, files, file_map, total, save_id))
@@ -173,6 +179,11 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
         if files is not None:
             files.abort()
         raise
+
+
+def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors that hold NaN or inf."""
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def _finish(model: nn.Module, directory: Path, files: _Files, file_map: ShardFileMap, total: int, save_id: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel.watchdog import label, watched
 from .stats import CommStats
 
 
@@ -12,25 +13,37 @@ class PendingExchange:
     """Holds the handle of an asynchronous exchange; ``wait()`` completes it (a no-op when none)."""
 
     work = None
+    what = "all_to_all"
+    group = None
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with watched(self.what, self.group):
+                self.work.wait()
             self.work = None
+
+
+def exchange_name(phase: str, layer: str | None = None) -> str:
+    """``"all_to_all (dispatch) of model.layers.1.mlp.experts"``: what the watchdog names (the layer whose forward
+    runs now unless given)."""
+    return f"all_to_all ({phase}) of {layer if layer is not None else label()}"
 
 
 def _exchange(
     x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None,
-    pending=None,
+    pending=None, what: str = "all_to_all",
 ) -> torch.Tensor:
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     if group is None:  # a group of one: the exchange is the identity
         out.copy_(x)
         return out
-    work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
-                                  async_op=pending is not None)
     if pending is not None:
-        pending.work = work
+        pending.work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
+                                              async_op=True)
+        pending.what, pending.group = what, group
+        return out
+    with watched(what, group):
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
 
@@ -39,9 +52,10 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_splits, recv_splits, group, stats, phase, self_index, pending):  # type: ignore[override]
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
         ctx.stats, ctx.phase, ctx.self_index = stats, phase, self_index
+        ctx.layer = label()
         if stats is not None:
             stats.record(phase, send_splits, recv_splits, self_index, x[0:1].numel() * x.element_size())
-        return _exchange(x, send_splits, recv_splits, group, pending)
+        return _exchange(x, send_splits, recv_splits, group, pending, exchange_name(phase))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -49,7 +63,8 @@ class _AllToAll(torch.autograd.Function):
         if stats is not None:
             row_bytes = grad[0:1].numel() * grad.element_size()
             stats.record(ctx.phase + "_backward", ctx.recv_splits, ctx.send_splits, ctx.self_index, row_bytes)
-        grad_x = _exchange(grad.contiguous(), ctx.recv_splits, ctx.send_splits, ctx.group)
+        grad_x = _exchange(grad.contiguous(), ctx.recv_splits, ctx.send_splits, ctx.group,
+                           what=exchange_name(ctx.phase + ", backward", ctx.layer))
         return grad_x, None, None, None, None, None, None, None
 
 
@@ -96,6 +111,7 @@ class AsyncExchange:
     def __init__(self, send_splits: list[int], recv_splits: list[int], group, stats, phase: str, self_index: int):
         self.send_splits, self.recv_splits, self.group = send_splits, recv_splits, group
         self.stats, self.phase, self.self_index = stats, phase, self_index
+        self.layer = label()
         self.work = None  # forward exchange in flight
         self.backward_work = None  # reverse exchange in flight, from ``backward_in`` into ``backward_out``
         self.backward_in: torch.Tensor | None = None
@@ -125,7 +141,8 @@ class _LaunchExchange(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         e = ctx.exchange  # the gradient of the wait launched the reverse exchange into ``e.backward_out``
         if e.backward_work is not None:
-            e.backward_work.wait()
+            with watched(exchange_name(e.phase + ", backward", e.layer), e.group):
+                e.backward_work.wait()
         back, e.backward_work, e.backward_out, e.backward_in = e.backward_out, None, None, None
         return back, None
 
@@ -134,7 +151,8 @@ class _WaitExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, exchange):  # type: ignore[override]
         if exchange.work is not None:
-            exchange.work.wait()
+            with watched(exchange_name(exchange.phase, exchange.layer), exchange.group):
+                exchange.work.wait()
             exchange.work = None
         ctx.exchange = exchange
         return out.view_as(out)

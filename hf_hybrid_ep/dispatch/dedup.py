@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .alltoall import AsyncExchange, all_to_all, all_to_all_async
+from ..parallel.watchdog import label, watched
+from .alltoall import AsyncExchange, all_to_all, all_to_all_async, exchange_name
 from .gathers import weighted_gather
 from .protocol import LocalPairs, Received, SideChannel
 from .stats import CommStats
@@ -180,6 +181,7 @@ class PackedExchange:
                  phase: str) -> None:
         self.send, self.recv, self.group, self.stats = send, recv, group, stats
         self.self_index, self.phase = self_index, phase
+        self.layer = label()
         self.work = self.out = self.backward_work = self.backward_out = self.backward_in = None
         self.shapes: tuple = ()
 
@@ -222,7 +224,8 @@ class _LaunchPacked(torch.autograd.Function):
     def backward(ctx, _grad):  # type: ignore[override]
         e = ctx.exchange  # the gradient of the wait launched the reverse exchange
         if e.backward_work is not None:
-            e.backward_work.wait()
+            with watched(exchange_name(e.phase + ", backward", e.layer), e.group):
+                e.backward_work.wait()
         grad_rows, grad_weights = e.unpack(e.backward_out, with_keys=False)
         e.backward_work = e.backward_out = e.backward_in = None
         return grad_rows, grad_weights, None, None
@@ -232,7 +235,8 @@ class _WaitPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, carrier, exchange):  # type: ignore[override]
         if exchange.work is not None:
-            exchange.work.wait()
+            with watched(exchange_name(exchange.phase, exchange.layer), exchange.group):
+                exchange.work.wait()
         rows, weights, keys = exchange.unpack(exchange.out, with_keys=True)
         exchange.work = exchange.out = None
         ctx.exchange, ctx.device = exchange, rows.device
@@ -324,7 +328,8 @@ class DedupDispatcher(TorchDispatcher):
         if self.ep_group is None:
             received.copy_(outgoing)
         else:
-            dist.all_to_all_single(received, outgoing, group=self.ep_group)
+            with watched(exchange_name("counts"), self.ep_group):
+                dist.all_to_all_single(received, outgoing, group=self.ep_group)
         host = host_ints(torch.cat([num_local, message[:, : len(spans) * self.block].reshape(-1),
                                     received.reshape(-1)]))
         chunks, width = len(spans), message.shape[1]

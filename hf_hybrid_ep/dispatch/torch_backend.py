@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .alltoall import AsyncExchange, PendingExchange, all_to_all, all_to_all_async
+from ..parallel.watchdog import watched
+from .alltoall import AsyncExchange, PendingExchange, all_to_all, all_to_all_async, exchange_name
 from .gathers import GatherTokens, inverse_permutation, weighted_gather
 from .protocol import DispatchPlan, LocalPairs, Received, SideChannel
 from .stats import CommStats
@@ -185,7 +186,8 @@ class TorchDispatcher:
         if self.ep_group is None:
             received.copy_(message)
         else:
-            dist.all_to_all_single(received, message, group=self.ep_group)
+            with watched(exchange_name("counts"), self.ep_group):
+                dist.all_to_all_single(received, message, group=self.ep_group)
         host = host_ints(torch.cat([counts.reshape(-1), received.reshape(-1)]))
         counts_host, recv_host = host[: counts.numel()], host[counts.numel() :]
         width = message.shape[1]

@@ -3,6 +3,7 @@ attaches its state (:mod:`.state`) and runs it at every step (:mod:`.step`, :mod
 entry points for gradients, optimizers, replicas, the unsharded model and counters. See
 docs/architecture.md."""
 
+from .eval_layout import eval_layout
 from .freeze import ExpertFreezer
 from .gradients import clip_grad_norm_, no_sync
 from .model_io import full_state_dict
@@ -22,6 +23,7 @@ __all__ = [
     "after_optimizer_step",
     "clip_grad_norm_",
     "comm_stats",
+    "eval_layout",
     "full_state_dict",
     "layer_counters",
     "make_optimizer",

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .backward import suspended
+from .nonfinite import record_norm
 from .state import state_of
 
 
@@ -34,10 +35,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip all gradients of a hybrid-EP model by their true global norm; return that norm.
 
     Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the norm covers dense
-    parameters once and every expert once, whichever ranks hold it. Collective: call on every rank.
+    parameters once and every expert once, whichever ranks hold it; a NaN or inf norm leaves the gradients as
+    they are (the next optimizer step is skipped on every rank, :mod:`hf_hybrid_ep.engine.nonfinite`, and names
+    the layers whose gradients were non-finite). Collective: call on every rank.
     """
     reducer = state_of(model).reducer
     total = reducer.global_grad_norm(norm_type)
+    record_norm(model, total)
+    if not torch.isfinite(total):
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in reducer.clip_targets():
         g.mul_(coef.to(g.device, g.dtype))

@@ -31,13 +31,23 @@ from ..moe.rebalance import Rebalancer
 from ..moe.router_controls import install_router_controls
 from ..moe.router_rules import find_router
 from ..moe.shadow import ShadowManager
+from ..parallel import watchdog
 from ..parallel.agreement import InputAgreement
 from ..parallel.devices import check_devices, current_cuda_device, place_module, rank_device, use_device
 from ..parallel.grads import GradientReducer
-from ..parallel.mesh import HybridMesh, build_mesh, current_device, default_device_type, world_size
+from ..parallel.mesh import (
+    HybridMesh,
+    build_mesh,
+    default_device_type,
+    world_size,
+    world_timeout,
+)
+from ..parallel.watchdog import watched
 from .adapters import is_peft_model, wrap_adapter_methods
 from .backward import BackwardSequence
+from .failures import agree_on_failure
 from .model_io import wrap_generate, wrap_save_pretrained
+from .nonfinite import watch_optimizers
 from .optimizers import wait_for_parameters
 from .state import HybridEPState, attach, carries_state, is_parallelized, state_of
 from .step import after_forward, before_forward
@@ -53,7 +63,8 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
         sums = [p.detach().sum(dtype=torch.float64).item() for p in model.parameters()]
     mine = ([t.fingerprint() for t in tables], sums)
     gathered: list = [None] * mesh.world_size
-    dist.all_gather_object(gathered, mine)
+    with watched("all_gather of every rank's placement tables and parameter sums (set-up check)"):
+        dist.all_gather_object(gathered, mine)
     names = [n for n, _ in model.named_parameters()]
     for rank, (fps, other) in enumerate(gathered):
         if fps != mine[0]:
@@ -64,24 +75,6 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
                     f"parameter {name!r} differs between rank {rank} and rank {mesh.rank}: build the model "
                     "identically on every rank (same seed or the same checkpoint) before parallelize"
                 )
-
-
-def _agree(mesh: HybridMesh, fn: Callable[..., None], *args) -> None:
-    """Run ``fn(*args)``; if it raises on any rank, raise on every rank (nobody enters a collective alone)."""
-    error: BaseException | None = None
-    try:
-        fn(*args)
-    except Exception as err:  # re-raised below, after the ranks agree
-        error = err
-    if mesh.world_group is not None:
-        flags = torch.zeros(mesh.world_size, dtype=torch.int32, device=current_device(mesh))
-        flags[mesh.rank] = int(error is not None)
-        dist.all_reduce(flags, group=mesh.world_group)
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
-        if failed and error is None:
-            raise RuntimeError(f"hybrid-EP setup failed on rank(s) {failed}; see their errors")
-    if error is not None:
-        raise error
 
 
 def parallelize(
@@ -117,7 +110,7 @@ def parallelize(
     layers, agreement = _apply_expert_sharding(model=model, config=config, found=found, tables=tables, mesh=mesh,
                                                backend=backend, adapters=adapters)
     if materialize is not None:
-        _agree(mesh, materialize, model, layers)
+        agree_on_failure(mesh, materialize, model, layers)
     place_module(model, device)  # after sharding: only this rank's experts reach the device
     _apply_router_controls(model=model, config=config, layers=layers, mesh=mesh)
     if config.dense_sharding == "fsdp":
@@ -129,6 +122,7 @@ def parallelize(
     _apply_hooks(model=model)
     if config.rebalancing:
         state_of(model).rebalancer = Rebalancer(model, layers, mesh, reducer, config)
+    watch_optimizers(model)
     if is_peft_model(model):
         wrap_adapter_methods(model, _unloaded)
     else:
@@ -223,7 +217,9 @@ def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple
     resolve_backend(config.dispatcher, default_device_type())
     # a per-layer placement names the experts modules as the model PEFT wrapped does (as `place` writes them)
     tables = layer_tables(config.placement, [(unwrapped_name(name), m.num_experts) for name, m in found], ep)
-    mesh = build_mesh(dp, ep, topology=config.topology)
+    timeout = watchdog.timeout_of(config.collective_timeout_s) or world_timeout()
+    mesh = build_mesh(dp, ep, topology=config.topology, timeout=timeout)
+    watchdog.start(timeout.total_seconds())
     routers = [find_router(model, name, m.num_experts) for name, m in found]
     top_k = max((int(r[1].top_k) for r in routers if r is not None), default=1)
     backend, why = choose_backend(config.dispatcher, mesh, top_k, max(t.slots_per_rank for t in tables))
@@ -238,7 +234,7 @@ def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:
     device = rank_device(mesh.device_type)
     current = current_cuda_device() if device.type == "cuda" else None
     use_device(device)  # first: the agreement below is a collective on this device
-    _agree(mesh, check_devices, model, device, current)
+    agree_on_failure(mesh, check_devices, model, device, current)
     return device
 
 

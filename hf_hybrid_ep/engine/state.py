@@ -8,7 +8,7 @@ under it (``parallel/``, ``dispatch/``, ``moe/``) receive the objects they work 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -29,6 +29,17 @@ _ATTRIBUTE = "_hybrid_ep"
 
 
 @dataclass
+class SkippedSteps:
+    """Optimizer steps skipped for a non-finite global gradient norm (:mod:`hf_hybrid_ep.engine.nonfinite`)."""
+
+    total: int = 0
+    consecutive: int = 0
+    norm: float | None = None  # the global norm of the current gradients, once computed (clipping, logging)
+    allowed: bool | None = None  # this step's decision, once taken (shared by every optimizer of the model)
+    last: str = ""  # the last skip's message
+
+
+@dataclass
 class HybridEPState:
     """What ``parallelize`` attaches to a model: its layout, its EP layers and their helpers."""
 
@@ -41,6 +52,7 @@ class HybridEPState:
     optimizer_steps: int = 0
     shadows: ShadowManager | None = None  # hot-expert shadowing (config.shadow_experts)
     rebalancer: Rebalancer | None = None  # online rebalancing (config.rebalance_*)
+    skipped: SkippedSteps = field(default_factory=SkippedSteps)
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
         """Qualified names of this rank's expert parameters and their adapters' factors (e.g. for DDP's ignore
@@ -83,4 +95,4 @@ def state_of(model: nn.Module) -> HybridEPState:
     return state
 
 
-__all__ = ["HybridEPState", "attach", "is_parallelized", "state_of"]
+__all__ = ["HybridEPState", "SkippedSteps", "attach", "is_parallelized", "state_of"]

@@ -13,14 +13,17 @@ import torch
 from torch import nn
 
 from ..moe.load import reduce_step_loads
+from .nonfinite import new_gradients, rebalancing_optimizer
 from .optimizers import wait_for_parameters
 from .state import state_of
 
 
 def before_forward(model: nn.Module, args) -> None:
-    """Attach the gradient buffers before a forward that will be differentiated."""
+    """Attach the gradient buffers before a forward that will be differentiated (whose gradients the next
+    optimizer step's non-finite check decides on anew)."""
     if torch.is_grad_enabled():
         state_of(model).reducer.attach_grads()
+        new_gradients(model)
 
 
 def after_forward(model: nn.Module, args, output) -> None:
@@ -36,11 +39,12 @@ def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
     loads over the world, applies aux-loss-free bias updates and device-load estimates, and feeds the
     load metrics; with online rebalancing on (``rebalance_every`` / ``rebalance_when_imbalance_over``),
     moves experts and their state of ``optimizer`` (default: the one :func:`hf_hybrid_ep.make_optimizer`
-    built) when a rebalance is due; with ``shadow_experts`` on, decides the next step's shadows from this
-    step's routing counts and fetches their fresh weights (so call it after ``optimizer.step()``).
-    Collective: call on every rank."""
+    built, or the one found stepping the experts; refused before any move when there is none) when a rebalance
+    is due; with ``shadow_experts`` on, decides the next step's shadows from this step's routing counts and
+    fetches their fresh weights (so call it after ``optimizer.step()``). Collective: call on every rank."""
     state = state_of(model)
     state.optimizer_steps += 1
+    new_gradients(model)
     counts = None
     if state.shadows is not None:
         wait_for_parameters(model)  # the shadows' weights are read from the updated parameters
@@ -51,6 +55,8 @@ def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
     for layer, totals in zip(state.layers, loads, strict=True):
         if layer.controls is not None:
             layer.controls.after_step(totals[: layer.num_experts], state.config)
+    if state.rebalancer is not None and state.rebalancer.due(state.optimizer_steps) is not None:
+        optimizer = rebalancing_optimizer(state, optimizer)
     if state.rebalancer is not None and state.rebalancer.after_step(state.optimizer_steps, optimizer) is not None:
         state.backward.watch(state.reducer.parameters())  # parameters a changed slot count replaced
     if state.shadows is not None:

@@ -10,21 +10,27 @@ precedence flags > environment > file. The file accepts::
       microbatch_size: 8            # -> TrainingArguments.per_device_train_batch_size
       gradient_accumulation: 4      # -> TrainingArguments.gradient_accumulation_steps
       optimizer: {type: AdamW, lr: 6.0e-5, weight_decay: 0.01}   # -> optim, learning_rate, weight_decay
+      resume_from_checkpoint: latest  # -> TrainingArguments.resume_from_checkpoint (latest: the newest complete one)
       peft: {r: 16, lora_alpha: 32}   # LoRA (peft.LoraConfig fields); targets default to attention and experts
+
+``examples/hybrid_ep.yaml`` is a commented sample holding every key. ``collective_timeout_s`` defaults to
+``TrainingArguments.ddp_timeout``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import HybridEPConfig, config_fields, env_values, read_yaml_mapping
+from ..config import MIN_COLLECTIVE_TIMEOUT_S, HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
 from ..moe.lora import DEFAULT_LORA_TARGETS
 
-TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps"}
+TRAINING_KEYS = {"microbatch_size": "per_device_train_batch_size", "gradient_accumulation": "gradient_accumulation_steps",
+                 "resume_from_checkpoint": "resume_from_checkpoint"}
 OPTIMIZERS = {"adamw": "adamw_torch", "adamw_torch": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
 OPTIMIZER_KEYS = {"lr": "learning_rate", "learning_rate": "learning_rate", "weight_decay": "weight_decay",
                   "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon"}
@@ -52,6 +58,7 @@ class HybridEPPlugin:
     microbatch_size: int | None = None
     gradient_accumulation: int | None = None
     optimizer: dict[str, Any] | None = None
+    resume_from_checkpoint: str | None = None
     peft: dict[str, Any] | None = None
 
     @classmethod
@@ -74,8 +81,9 @@ class HybridEPPlugin:
             raise HybridEPConfigError(f"unknown hybrid-EP setting(s) {unknown}; known: {sorted(known)}")
         engine = {k: v for k, v in data.items() if k in engine_fields}
         config = HybridEPConfig(**engine, _env_applied=True)
+        resume = data.get("resume_from_checkpoint")
         return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"),
-                   data.get("peft"))
+                   None if resume is None else str(resume), data.get("peft"))
 
     def lora_config(self, overrides: Mapping[str, Any] | None = None):
         """The ``peft.LoraConfig`` (causal LM) of the ``peft:`` section updated by ``overrides`` (``None`` values
@@ -116,7 +124,8 @@ class HybridEPPlugin:
         return out
 
     def apply_to(self, training_args, explicit: Iterable[str] = ()) -> None:
-        """Set the plugin's training settings on ``training_args``.
+        """Set the plugin's training settings on ``training_args``, and ``collective_timeout_s`` to its
+        ``ddp_timeout`` when the config sets none (before ``parallelize`` creates the process groups).
 
         Args:
             explicit: names of ``TrainingArguments`` fields the user gave explicitly; a plugin value that
@@ -131,6 +140,9 @@ class HybridEPPlugin:
                     "give it in one place"
                 )
             setattr(training_args, arg, value)
+        if self.config.collective_timeout_s is None:
+            timeout = max(float(training_args.ddp_timeout), MIN_COLLECTIVE_TIMEOUT_S)
+            self.config = dataclasses.replace(self.config, collective_timeout_s=timeout)
 
 
 def explicit_flags(argv: Iterable[str]) -> set[str]:

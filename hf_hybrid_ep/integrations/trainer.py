@@ -16,7 +16,14 @@ class's own:
   the engine reduce-scatters expert gradients over their EDP groups. Checkpoints are interchangeable
   with unsharded runs;
 * per-rank bytes of weights, gradients and optimizer state are logged when the optimizer is created and
-  added to the ``train()`` summary metrics.
+  added to the ``train()`` summary metrics;
+* a step whose global gradient norm is not finite is skipped on every rank, the scheduler with it
+  (:mod:`hf_hybrid_ep.engine.nonfinite`; ``skipped_steps`` in the logs);
+* ``train(resume_from_checkpoint="latest")`` (or ``True``) resumes from the newest complete checkpoint of the output
+  directory and starts fresh when there is none; ``expert_load.jsonl`` loses the records of later steps, which
+  the resumed run logs again (:mod:`hf_hybrid_ep.integrations.resume`);
+* ``train()`` runs under the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`): no progress for the collective
+  timeout (``collective_timeout_s``, else ``--ddp_timeout``) ends every rank with one message naming where.
 """
 
 from __future__ import annotations
@@ -39,8 +46,11 @@ from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
 from ..checkpoint.side_state import load_side_state, save_side_state
 from ..engine.adapters import is_peft_model
+from ..engine.eval_layout import eval_layout
 from ..engine.freeze import ExpertFreezer
 from ..engine.gradients import clip_grad_norm_
+from ..engine.inputs import check_distinct_inputs
+from ..engine.nonfinite import record_norm
 from ..engine.optimizers import reshard_optimizer
 from ..engine.replicas import verify_model_replicas
 from ..engine.state import state_of
@@ -49,9 +59,11 @@ from ..errors import HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
 from ..moe.discovery import find_experts_modules
+from ..parallel import watchdog
 from ..parallel.amp import agree_found_inf_
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
+from .resume import resolve_resume
 from .trl import check_construction, take_over
 
 logger = logging.getLogger("hf_hybrid_ep")
@@ -91,6 +103,13 @@ class _HybridEPCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._agree_overflow()
 
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        """A step skipped for non-finite gradients skips the scheduler too, as an fp16 overflow does."""
+        skipped = state_of(self.trainer.hybrid_model).skipped.allowed is False
+        optimizer = self.trainer.optimizer
+        if hasattr(optimizer, "_is_overflow"):  # Accelerate's wrapper: what optimizer_step_was_skipped reads
+            optimizer._is_overflow = skipped or (optimizer.scaler is not None and optimizer._is_overflow)
+
     def on_step_end(self, args, state, control, **kwargs):
         after_optimizer_step(self.trainer.hybrid_model, self.trainer.optimizer)
         if self.verify_sync_steps and state.global_step % self.verify_sync_steps == 0:
@@ -113,6 +132,9 @@ def HybridEP(trainer_class: type[Trainer]) -> type[Trainer]:  # noqa: N802 - a c
             bit-identical across its replicas (0: never); a divergence names the parameter and ranks.
         freeze_experts / freeze_from_step: the expert specialization schedule
             (:class:`hf_hybrid_ep.ExpertFreezer`): expert ids or ``"least_used:N"``, from that step on.
+        eval_ep_degree: run ``evaluate()`` with the experts laid out at this smaller EP degree (more experts per
+            rank: pair it with a larger ``per_device_eval_batch_size``), training continuing at the full degree
+            afterwards (:func:`hf_hybrid_ep.eval_layout`; memory checked first). ``None``: the training layout.
 
     A trainer that wraps the model with PEFT itself (TRL's, given ``peft_config``) gets its adapters taken over
     (:func:`hf_hybrid_ep.integrations.trl.take_over`); what TRL does that the engine cannot follow is refused.
@@ -133,7 +155,7 @@ class _Construction:
 
     def __init__(
         self, model: nn.Module, *args, verify_sync_steps: int = 0, freeze_experts=None, freeze_from_step: int = 0,
-        **kwargs,
+        eval_ep_degree: int | None = None, **kwargs,
     ) -> None:
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
         named = inspect.signature(super().__init__).bind_partial(model, *args, **kwargs).arguments
@@ -142,6 +164,8 @@ class _Construction:
         self._inference_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         self._staging: tuple[Path, str] | None = None
         self._freeze = (freeze_experts, freeze_from_step)
+        self._inputs_checked = False
+        self.eval_ep_degree = eval_ep_degree
         self.freezer: ExpertFreezer | None = None
         super().__init__(model, *args, **kwargs)
         _no_pinned_memory_without_cuda(self.args)
@@ -169,20 +193,45 @@ class _EngineMethods(Trainer):
             self.memory_report = log_memory_report(self.hybrid_model, optimizer)
         return optimizer
 
-    def train(self, *args, **kwargs):
-        """``Trainer.train``; the summary metrics also carry this rank's bytes of weights, gradients and
-        optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report` measures)."""
-        output = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint="latest"`` or ``True``: the newest complete checkpoint of the
+        output directory, or a fresh start when there is none. The summary metrics also carry this rank's bytes of
+        weights, gradients and optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report`
+        measures)."""
+        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir,
+                                                main_process=self.args.should_save)
+        config = state_of(self.hybrid_model).config
+        watchdog.start(config.collective_timeout_s or self.args.ddp_timeout)
+        with watchdog.region(f"{type(self).__name__}.train (DDP's all-reduce and buffer broadcast, Accelerate's gathers)"):
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = log_memory_report(self.hybrid_model, self.optimizer)
         self.memory_report = report
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
             output.metrics[f"hybrid_ep_{key}"] = report[key]
         return output
 
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``, at ``eval_ep_degree`` when given (the training layout comes back afterwards)."""
+        if self.eval_ep_degree is None:
+            return super().evaluate(*args, **kwargs)
+        with eval_layout(self.hybrid_model, self.eval_ep_degree):
+            return super().evaluate(*args, **kwargs)
+
+    def training_step(self, model: nn.Module, inputs: dict, *args, **kwargs):
+        """``Trainer.training_step``; the first one checks that the ranks received different batches
+        (:func:`hf_hybrid_ep.engine.inputs.check_distinct_inputs`)."""
+        if not self._inputs_checked:
+            check_distinct_inputs(self.hybrid_model, inputs)
+            self._inputs_checked = True
+        return super().training_step(model, inputs, *args, **kwargs)
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the expert-load summary to training logs and append the per-layer figures to
         ``<output_dir>/expert_load.jsonl`` (rank 0)."""
         if "loss" in logs:
+            skipped = state_of(self.hybrid_model).skipped.total
+            if skipped:
+                logs["skipped_steps"] = float(skipped)
             report = load_report(self.hybrid_model)
             rebalances = rebalance_report(self.hybrid_model)
             logs.update(summary_scalars(report))
@@ -226,6 +275,7 @@ class _EngineMethods(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:
             grad_norm = state_of(self.hybrid_model).reducer.global_grad_norm()
+            record_norm(self.hybrid_model, grad_norm)
         return grad_norm
 
     # ------------------------------------------------------------------ checkpoints

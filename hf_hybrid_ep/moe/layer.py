@@ -20,6 +20,7 @@ from ..dispatch import CommStats, DispatchPlan, PlacementTable, SideChannel, mak
 from ..errors import HybridEPConfigError
 from ..parallel.agreement import CONTROL_INTS, InputAgreement, control_vector
 from ..parallel.mesh import HybridMesh, all_gather_flat
+from ..parallel.watchdog import set_label, watched
 from .capacity import apply_capacity
 from .discovery import expert_parameter_names
 from .experts import ExpertCompute, autocast_dtype
@@ -127,6 +128,15 @@ class ShardedExperts:
         self.module.num_experts = len(self.local_experts)
         self.dispatcher = self._make_dispatcher(table)
 
+    def use_layout(self, mesh: HybridMesh, table: PlacementTable, options: EPLayerOptions) -> None:
+        """Route over ``mesh``'s EP groups by ``table`` from now on, with ``options`` (its counts messages are as
+        wide as the new slots): another EP degree, whose experts the caller has put in the module
+        (:func:`hf_hybrid_ep.engine.eval_layout.eval_layout`)."""
+        self.mesh, self.table, self.options = mesh, table, options
+        self.local_experts = table.local_experts(mesh.ep_rank)
+        self.module.num_experts = len(self.local_experts)
+        self.dispatcher = self._make_dispatcher(table)
+
     @torch.no_grad()
     def gather_full(self, pname: str) -> torch.Tensor:
         """The unsharded ``[E, ...]`` tensor of parameter ``pname``, assembled over the EP group.
@@ -172,7 +182,8 @@ class ShardedExperts:
         if self.mesh.ep_group is None:
             gathered.copy_(padded)
         else:
-            all_gather_flat(gathered, padded, self.mesh.ep_group)
+            with watched(f"all_gather of the experts of {self.name}", self.mesh.ep_group):
+                all_gather_flat(gathered, padded, self.mesh.ep_group)
         return gathered.view(ep, slots, *local.shape[1:])
 
     def _by_expert(self, gathered: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -202,6 +213,7 @@ class ShardedExperts:
         inputs or a layer mismatch in this forward (:mod:`hf_hybrid_ep.parallel.agreement` raises on every rank).
         Under autocast over wider weights the rows travel and the experts compute in autocast's dtype (as
         ``F.linear`` would); the output returns in the input's dtype."""
+        set_label(self.name)  # names this layer's collectives for the watchdog
         if self.agreement is not None and self.agreement.degraded:
             return self._skipped(hidden_states)
         control = control_vector(hidden_states, top_k_index, top_k_weights, self.num_experts, self.layer_id,

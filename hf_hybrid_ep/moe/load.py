@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.mesh import HybridMesh, current_device
+from ..parallel.watchdog import watched
 
 
 def in_backward() -> bool:
@@ -125,7 +126,8 @@ def reduce_step_loads(layers: list, mesh: HybridMesh, step: int) -> list[torch.T
     device = current_device(mesh)
     stacked = torch.cat([load.step.to(device) for load in loads])
     if mesh.world_group is not None:
-        dist.all_reduce(stacked, group=mesh.world_group)
+        with watched("all_reduce of the step's expert loads", mesh.world_group):
+            dist.all_reduce(stacked, group=mesh.world_group)
     stacked = stacked.cpu()
     out, offset = [], 0
     for load in loads:

@@ -36,6 +36,7 @@ from torch import nn
 from ..dispatch.stats import ShadowCounters
 from ..errors import HybridEPConfigError
 from ..parallel.mesh import HybridMesh, all_gather_flat, current_device
+from ..parallel.watchdog import watched
 
 EXCHANGES_PER_ROW = 4  # dispatch, combine, dispatch_backward, combine_backward
 
@@ -57,7 +58,8 @@ class LayerShadows:
         """Complete the asynchronous weight exchange (the layer's forward calls this before using them)."""
         for work, _ in self.pending:
             if work is not None:
-                work.wait()
+                with watched("all_to_all of hot-expert shadow weights"):
+                    work.wait()
         self.pending = []
 
     def slot_of(self, device: torch.device) -> torch.Tensor | None:
@@ -159,7 +161,8 @@ class ShadowManager:
                 mine[i, e] = 1
         mine = mine.to(device)
         masks = torch.empty(mesh.ep_degree * mine.shape[0], mine.shape[1], dtype=mine.dtype, device=device)
-        all_gather_flat(masks, mine, mesh.ep_group)
+        with watched("all_gather of the hot-expert shadow decisions", mesh.ep_group):
+            all_gather_flat(masks, mine, mesh.ep_group)
         masks = masks.view(mesh.ep_degree, *mine.shape).cpu()
         row_bytes = mine.shape[1] * mine.element_size() * (mesh.ep_degree - 1)  # one layer's row, to each peer
         for i, layer in enumerate(self.layers):
@@ -242,7 +245,8 @@ class ShadowManager:
                                               async_op=True)
                 exchanges.append((layer, p, senders, send, recv, work))
         for layer, p, senders, send, recv, work in exchanges:
-            work.wait()
+            with watched(f"all_to_all of shadow gradients of {layer.name}", self.mesh.ep_group):
+                work.wait()
             slot = {e: s for s, e in enumerate(layer.local_experts)}
             if p.grad is not None:
                 for row, e in enumerate(senders):  # in a fixed order: deterministic sums

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import HybridMesh, current_device
+from .watchdog import watched
 
 NONFINITE, BAD_INDEX = 1, 2
 CONTROL_INTS = 2  # (input flags, layer id): the control integers of every counts exchange
@@ -83,7 +84,8 @@ class InputAgreement:
         if self._table is None:
             return
         if self._work is not None:
-            self._work.wait()
+            with watched("all_reduce of the input agreement", self.mesh.reduction_group):
+                self._work.wait()
         rows = self._table.tolist()
         self._table, self._work, self.problem, self.degraded = None, None, None, False
         problems = [(rank, flags, layer, mismatch) for rank, (seen, flags, layer, mismatch) in enumerate(rows) if seen]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import HybridMesh, current_device
+from .watchdog import watched
 
 _AGREED = "hybrid_ep_found_inf_agreed"
 
@@ -36,7 +37,8 @@ def agree_found_inf_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     for value in per_device.values():
         found = torch.maximum(found, value.to(device))
     if mesh.world_group is not None:
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=mesh.world_group)
+        with watched("all_reduce of the fp16 overflow flags", mesh.world_group):
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=mesh.world_group)
     if not per_device:
         per_device[device] = found.clone()
     for dev in list(per_device):

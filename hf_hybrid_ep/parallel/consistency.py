@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..errors import ReplicaDivergenceError
 from .grads import HolderSet
 from .mesh import HybridMesh, current_device
+from .watchdog import watched
 
 _CHUNK = 1 << 22
 
@@ -53,7 +54,8 @@ def verify_replicas(mesh: HybridMesh, dense: list[tuple[str, torch.Tensor]], hol
                 prints.append(_fingerprint(holding.param[slot]))
         problems += _compare(labels, torch.stack(prints).to(device), bucket.group, list(bucket.ranks), "expert")
     everyone: list = [None] * mesh.world_size
-    dist.all_gather_object(everyone, problems[:1], group=mesh.world_group)
+    with watched("all_gather of the replica check's findings", mesh.world_group):
+        dist.all_gather_object(everyone, problems[:1], group=mesh.world_group)
     found = sorted({m for msgs in everyone for m in msgs})
     if found:
         raise ReplicaDivergenceError("; ".join(found))
@@ -61,7 +63,8 @@ def verify_replicas(mesh: HybridMesh, dense: list[tuple[str, torch.Tensor]], hol
 
 def _compare(labels: list[str], prints: torch.Tensor, group, ranks: list[int], kind: str) -> list[str]:
     gathered = [torch.empty_like(prints) for _ in ranks]
-    dist.all_gather(gathered, prints, group=group)
+    with watched(f"all_gather of {kind} replica fingerprints", group):
+        dist.all_gather(gathered, prints, group=group)
     reference = gathered[0]
     for i, label in enumerate(labels):
         differing = [ranks[j] for j, g in enumerate(gathered) if not torch.equal(g[i], reference[i])]

@@ -22,6 +22,7 @@ and not on another.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from torch import nn
 
 from .buckets import FlatBucket, bucket_of, runs
 from .mesh import HybridMesh, current_device, is_dtensor, reduce_scatter_flat
+from .watchdog import watched
 
 
 @dataclass
@@ -292,17 +294,19 @@ class GradientReducer:
             return self.dense_group, self.dense_group_size
         return b.group, self.mesh.world_size
 
+    def bucket_name(self, b: FlatBucket) -> str:
+        """``"all_reduce of dense gradient bucket 3"``: what the watchdog names."""
+        kind = "reduce_scatter" if self.sharding is not None else "all_reduce"
+        return f"{kind} of {b.kind} gradient bucket {b.position} ({b.numel} elements)"
+
     def _launch(self, b: FlatBucket, async_op: bool) -> None:
         b.attach_grads()
         b.stage_in()
         group, _ = self._group_of(b)
         if b.size == 1 or group is None:
             b.work = None
-        elif self.sharding is not None:
-            b.shard_out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
-            b.work = reduce_scatter_flat(b.shard_out, b.grad_buffer, group, async_op=async_op)
         else:
-            b.work = dist.all_reduce(b.grad_buffer, group=group, async_op=async_op)
+            self._issue(b, group, async_op)
         b.launched = True
         nbytes = b.padded * b.grad_buffer.element_size() if group is not None and b.size > 1 else 0
         if b.kind == "dense":
@@ -310,9 +314,19 @@ class GradientReducer:
         else:
             self.stats.expert_bytes += nbytes
 
+    def _issue(self, b: FlatBucket, group: dist.ProcessGroup, async_op: bool) -> None:
+        """The bucket's collective: reduce-scatter under ZeRO-1, else all-reduce (watched when blocking)."""
+        with watched(self.bucket_name(b), group) if not async_op else contextlib.nullcontext():
+            if self.sharding is not None:
+                b.shard_out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
+                b.work = reduce_scatter_flat(b.shard_out, b.grad_buffer, group, async_op=async_op)
+            else:
+                b.work = dist.all_reduce(b.grad_buffer, group=group, async_op=async_op)
+
     def _finish(self, b: FlatBucket) -> None:
         if b.work is not None:
-            b.work.wait()
+            with watched(self.bucket_name(b), self._group_of(b)[0]):
+                b.work.wait()
         b.work = None
         _, divisor = self._group_of(b)
         if self.sharding is None:
@@ -395,7 +409,8 @@ class GradientReducer:
             local += [torch.linalg.vector_norm(g, math.inf).float().to(device) for g, _ in partial if g.numel()]
             total = torch.stack(local).max() if local else torch.zeros((), device=device)
             if self.mesh.world_group is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
+                with watched("all_reduce of the global gradient norm", self.mesh.world_group):
+                    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
             return total
         dense_sum = torch.zeros((), dtype=torch.float64, device=device)
         for g in replicated:
@@ -408,7 +423,8 @@ class GradientReducer:
                 per_slot = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1).double()
                 partial_sum += (per_slot.pow(norm_type) * weight.to(per_slot.device)).sum().to(device)
         if self.mesh.world_group is not None:
-            dist.all_reduce(partial_sum, group=self.mesh.world_group)
+            with watched("all_reduce of the global gradient norm", self.mesh.world_group):
+                dist.all_reduce(partial_sum, group=self.mesh.world_group)
         return (dense_sum + partial_sum).pow(1.0 / norm_type).float()
 
     def clip_targets(self) -> list[torch.Tensor]:

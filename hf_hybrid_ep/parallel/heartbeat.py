@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .mesh import HybridMesh, current_device
+from .watchdog import watched
 
 WORKING, DONE, FAILED = 0, 1, 2
 INTERVAL_S = 5.0  # seconds between two beats of rank 0 while it works alone
@@ -31,17 +32,22 @@ class Heartbeat:
         self.group, self.rank = mesh.world_group, mesh.rank
         self.flag = torch.zeros(1, dtype=torch.int32, device=current_device(mesh)) if self.group is not None else None
 
-    def beat(self, state: int = WORKING) -> int:
-        """Rank 0 sends ``state``; every rank returns it. Collective. Raises on the other ranks when rank 0
-        reports a failure (rank 0 raises its own error)."""
+    def beat(self, state: int = WORKING, error: BaseException | None = None) -> int:
+        """Rank 0 sends ``state``; every rank returns it. Collective. With ``FAILED`` rank 0 also sends
+        ``error``'s message and the other ranks raise it as a :class:`CheckpointError` (rank 0 raises its own)."""
         if self.group is None:
             return state
         if self.rank == 0:
             self.flag.fill_(state)
-        dist.broadcast(self.flag, src=0, group=self.group)
+        with watched("broadcast of rank 0's progress while it writes alone (heartbeat)", self.group):
+            dist.broadcast(self.flag, src=0, group=self.group)
         received = int(self.flag.item())
-        if received == FAILED and self.rank != 0:
-            raise CheckpointError("rank 0 failed while writing the checkpoint (its error says why)")
+        if received == FAILED:
+            box = [f"{type(error).__name__}: {error}" if error is not None else "its error says why"]
+            with watched("broadcast of rank 0's error while it wrote alone", self.group):
+                dist.broadcast_object_list(box, src=0, group=self.group)
+            if self.rank != 0:
+                raise CheckpointError(f"rank 0 failed while writing the checkpoint: {box[0]}")
         return received
 
     def alone(self, work: Callable[[], T] | None) -> T | None:
@@ -70,7 +76,7 @@ class Heartbeat:
                 break
             self.beat(WORKING)
         if "error" in outcome:
-            self.beat(FAILED)
+            self.beat(FAILED, outcome["error"])
             raise outcome["error"]
         self.beat(DONE)
         return outcome.get("result")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .topology import EPGroupSpan, Topology, ep_group_span, nodes_spanned, ranks_per_node
 
 _MESH_CACHE: dict[tuple, HybridMesh] = {}
-_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class HybridMesh:
     # one group's collectives in order, so the token exchange (whose group is the world when ep = W) must not
     # queue behind a bucket in flight.
     reduction_group: dist.ProcessGroup | None = None
+    timeout: timedelta | None = None  # of every group the mesh creates (the run's collective timeout)
 
     @property
     def world_size(self) -> int:
@@ -106,9 +108,9 @@ class HybridMesh:
             return self.edp_group if self.rank in ranks else None  # an EDP group: built with the mesh
         if len(ranks) == self.world_size:
             return self.reduction_group
-        key = (id(dist.group.WORLD), *ranks)
+        key = (id(dist.group.WORLD), self.timeout, *ranks)  # a group is reused only at the same timeout
         if key not in _GROUP_CACHE:
-            _GROUP_CACHE[key] = dist.new_group(list(ranks))
+            _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=self.timeout)
         return _GROUP_CACHE[key]
 
 
@@ -127,10 +129,36 @@ def world_size(*, launched: bool = False) -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1) if launched else 1
 
 
+def world_timeout() -> timedelta:
+    """The timeout of the default process group (the launcher's or the user's ``init_process_group``), else
+    torch's default for its backend."""
+    from torch.distributed import constants
+
+    if dist.is_available() and dist.is_initialized():
+        device = torch.device(default_device_type())
+        try:
+            return dist.group.WORLD._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+    nccl = default_device_type() == "cuda" and constants.default_pg_nccl_timeout is not None
+    return constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout
+
+
+def _group_options(device_type: str, timeout: timedelta | None) -> dict:
+    """``init_device_mesh``'s ``backend_override`` giving both mesh dimensions' groups ``timeout``."""
+    if timeout is None:
+        return {}
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return {"edp": options, "ep": options}
+
+
 def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
-               topology: Topology | str | None = None) -> HybridMesh:
+               topology: Topology | str | None = None, timeout: timedelta | None = None) -> HybridMesh:
     """Build (or reuse) the ``("edp", "ep")`` mesh for the current world (``edp``: the ranks holding the
-    same experts, ``dp_degree`` of them; ``ep``: one EP group).
+    same experts, ``dp_degree`` of them; ``ep``: one EP group). Every group it creates (the mesh's, the
+    reduction group, holder-set groups of :meth:`HybridMesh.group_of`) gets ``timeout`` (``None``: the
+    backend's default).
 
     Raises:
         ValueError: if ``dp_degree * ep_degree`` differs from the world size.
@@ -148,11 +176,13 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
     device_type = device_type or default_device_type()
     if not initialized:
         return HybridMesh(1, 1, 0, device_type, None, topo, ep_span)
-    key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo)  # a new world gets new groups
+    key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo, timeout)  # a new world gets new groups
     if key not in _MESH_CACHE:
-        mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("edp", "ep"))
-        reduction = dist.new_group(list(range(world)))
-        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, ep_span, reduction)
+        mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("edp", "ep"),
+                                backend_override=_group_options(device_type, timeout))
+        reduction = dist.new_group(list(range(world)), timeout=timeout)
+        _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, ep_span, reduction,
+                                      timeout)
     return _MESH_CACHE[key]
 
 

@@ -26,6 +26,7 @@ a reduce-scatter; same results, the same optimizer-state saving).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from torch import nn
 from .buckets import FlatBucket, OwnedView
 from .grads import GradientReducer
 from .mesh import all_gather_flat
+from .watchdog import watched
 
 
 def _owned_views(b: FlatBucket) -> list[OwnedView]:
@@ -125,7 +127,8 @@ class ZeroSharding:
             b.relink_params()
             mine = torch.empty(b.shard, dtype=b.dtype, device=b.device)
             b.params_in(b.index * b.shard, (b.index + 1) * b.shard, mine)
-            b.gather_work = all_gather_flat(b.param_buffer, mine, b.group, async_op=async_op)
+            with watched(f"all_gather of ZeRO-1 parameter bucket {b.position}", b.group) if not async_op else nullcontext():
+                b.gather_work = all_gather_flat(b.param_buffer, mine, b.group, async_op=async_op)
             if not async_op:
                 self._wait([b])
             elif b.gather_work is None:
@@ -137,7 +140,8 @@ class ZeroSharding:
             if b.gather_work is None:
                 continue
             if b.gather_work is not True:
-                b.gather_work.wait()
+                with watched(f"all_gather of ZeRO-1 parameter bucket {b.position}", b.group):
+                    b.gather_work.wait()
             b.gather_work = None
             b.params_out()
 

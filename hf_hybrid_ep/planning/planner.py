@@ -167,7 +167,7 @@ def _comm_split(gpus: int, dp: int, ep: int, topo: Topology, dense_bytes: float,
     return out
 
 
-def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topology: str | None = None,
+def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gib: float, topology: str | None = None,
          micro_batch: int = 1, seq_len: int = 4096, recipe: str = "bf16-adamw", optimizer_sharding: str = "none",
          dense_sharding: str = "replicate", *, trust_remote_code: bool = False, tokens_per_step: int | None = None,
          device_flops: float | None = None, efficiency: float | None = None, memory_gbps: float | None = None,
@@ -208,7 +208,7 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
         targets = {k: DEFAULT_LORA_TARGETS[k] if v is None else v for k, v in targets.items()}
         counts = with_lora(counts, config, lora_r, **targets, trust_remote_code=trust_remote_code)
     topo = Topology.parse(topology)
-    memory = int(gpu_memory_gb * 2**30)
+    memory = int(gpu_memory_gib * 2**30)
     topo.check_world(gpus)
     sharding = (optimizer_sharding, dense_sharding)
     micro_batches = tokens_per_step // (gpus * micro_batch * seq_len)
@@ -226,7 +226,7 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
     best = min(fitting, key=lambda p: (p.step_time.step_s, _memory_used(p)), default=None)
     result: dict[str, Any] = {
         "model": {k: v for k, v in asdict(counts).items() if k != "dense_shapes"}, "gpus": gpus, "gpu_memory_bytes": memory, "topology": asdict(topo),
-        "micro_batch": micro_batch, "seq_len": seq_len, "recipe": recipe,
+        "topology_spec": topology, "micro_batch": micro_batch, "seq_len": seq_len, "recipe": recipe,
         "optimizer_sharding": optimizer_sharding, "dense_sharding": dense_sharding,
         "step_time_model": {
             "tokens_per_step": tokens_per_step, "device_flops": device_flops, "efficiency": efficiency,
@@ -242,7 +242,7 @@ def plan(model: str | PretrainedConfig, gpus: int, gpu_memory_gb: float, topolog
         "hybrid_vs_pure_ep": _hybrid_vs_pure_ep(layouts, compare),
     }
     if best is None:
-        result["advice"] = _advice(counts, gpus, gpu_memory_gb, memory, topo, micro_batch, seq_len, recipe, layouts,
+        result["advice"] = _advice(counts, gpus, gpu_memory_gib, memory, topo, micro_batch, seq_len, recipe, layouts,
                                    sharding)
     return result
 
@@ -276,7 +276,7 @@ def _follows(gpus: int, ep: int, topo: Topology) -> bool:
     return True
 
 
-def _advice(counts: ModelCounts, gpus: int, gpu_memory_gb: float, memory: int, topo: Topology, batch: int, seq: int,
+def _advice(counts: ModelCounts, gpus: int, gpu_memory_gib: float, memory: int, topo: Topology, batch: int, seq: int,
             recipe: str, layouts: list[LayoutPlan], sharding: tuple[str, str] = ("none", "replicate")) -> dict[str, Any]:
     """What would fit. Without sharding memory per GPU depends on ep only, so find the smallest ep that fits;
     with sharding more data parallelism also helps, so try dp up to 1024 as well (fewest GPUs first)."""
@@ -290,12 +290,12 @@ def _advice(counts: ModelCounts, gpus: int, gpu_memory_gb: float, memory: int, t
     if fitting:
         dp, ep = fitting[0]
         needed = math.lcm(dp * ep, gpus)  # a GPU count that the fitting world divides (more dp: no more memory)
-        message = (f"nothing fits on {gpus} × {gpu_memory_gb:g} GB: the leanest layout here (dp {smallest.dp} × ep "
+        message = (f"nothing fits on {gpus} × {gpu_memory_gib:g} GiB: the leanest layout here (dp {smallest.dp} × ep "
                    f"{smallest.ep}, checkpointed) needs {smallest.memory_per_gpu_checkpointed_bytes / 2**30:.1f} GiB per "
                    f"GPU; with {needed} GPUs (ep {ep}) a layout fits")
         return {"memory_per_gpu_needed_bytes": smallest.memory_per_gpu_checkpointed_bytes, "gpus_needed": needed,
                 "message": message}
-    message = (f"nothing fits on {gpus} × {gpu_memory_gb:g} GB, and more GPUs of this size do not help: even at ep = "
+    message = (f"nothing fits on {gpus} × {gpu_memory_gib:g} GiB, and more GPUs of this size do not help: even at ep = "
                f"{eps[-1]} (one expert per rank) a GPU holds the dense weights plus its experts, "
                f"{leanest.memory_per_gpu_checkpointed_bytes / 2**30:.1f} GiB with checkpointing; it needs GPUs with at "
                "least that much memory, or optimizer-state / dense-weight sharding")
@@ -307,6 +307,16 @@ def _rate(flops: float) -> str:
     return f"{flops / 1e12:.4g} TFLOP/s"
 
 
+def _topology_line(result: dict[str, Any]) -> str:
+    """The cluster the plan assumes: GPUs per node (and racks), whether given or the default."""
+    topo = result["topology"]
+    racks = f", {topo['nodes_per_rack']} nodes per rack" if topo.get("nodes_per_rack") else ""
+    given = result.get("topology_spec")
+    source = f"--topology {given}" if given else "the default; give --topology gpus_per_node=N,... for your cluster"
+    return (f"assumed: {topo['gpus_per_node']} GPUs per node{racks} ({source}); memory in GiB (2^30 bytes), "
+            "bandwidths in GB/s (10^9 bytes/s)")
+
+
 def format_plan(result: dict[str, Any]) -> str:
     """The plan as text: a header, one table row per layout, the step-time assumptions, the
     recommendation and the hybrid / pure-EP comparison."""
@@ -316,11 +326,12 @@ def format_plan(result: dict[str, Any]) -> str:
     per_gpu = tokens // result["gpus"]
     lines = [f"{m['model_type']}: {m['total_params'] / 1e9:.2f}B parameters ({m['dense_params'] / 1e9:.2f}B dense, "
              f"{m['expert_params'] / 1e9:.2f}B in {m['num_experts']} experts × {m['moe_layers']} MoE layers, top-{m['top_k']}); "
-             f"{result['gpus']} GPUs × {result['gpu_memory_bytes'] / 2**30:.0f} GiB, recipe {result['recipe']}, "
+             f"{result['gpus']} GPUs × {result['gpu_memory_bytes'] / 2**30:g} GiB, recipe {result['recipe']}, "
              f"optimizer sharding {result.get('optimizer_sharding', 'none')}, dense {result.get('dense_sharding', 'replicate')}, "
              f"micro-batch {result['micro_batch']} × {result['seq_len']} tokens; {tokens} tokens per step "
              f"({tokens // result['seq_len']} samples, {per_gpu // (result['micro_batch'] * result['seq_len'])} "
              f"micro-batches per GPU)",
+             _topology_line(result),
              *([f"LoRA rank {m['lora_r']}: {m['adapter_dense_params'] / 1e6:.3g}M dense and "
                 f"{m['adapter_expert_params'] / 1e6:.3g}M expert adapter parameters train; the base is frozen (weights "
                 "only: no gradients, no reduction, no optimizer state for it)"] if m.get("lora_r") else []),

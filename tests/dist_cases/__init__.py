@@ -28,6 +28,7 @@ from .checkpoint import (
     load_with_a_missing_file,
     quantized_rank_local_load,
     rank_local_load,
+    resume_another_model,
     save_costs,
     save_generate_reload,
     save_right_after_step,
@@ -44,13 +45,20 @@ from .failures import (
     fp16_overflow_agreement,
     modality_mismatch,
     nan_in_router_input,
+    nonfinite_steps,
     replica_check,
+    save_refuses_nonfinite,
 )
 from .inference import forward_parity, generate_uneven, routing_replay
 from .integrations import (
     accelerate_loop,
+    distinct_inputs,
+    eval_layout_refusals,
     fsdp_under_accelerate,
+    train_script,
     trainer_eval,
+    trainer_eval_layout,
+    trainer_resume_latest,
     trainer_run,
     trainer_shadow_run,
 )
@@ -67,9 +75,11 @@ from .lora import (
 )
 from .placement import (
     group_creation_calls,
+    group_timeouts,
     mesh_layout,
     parameter_bytes,
     rebalance_then_save,
+    rebalance_without_optimizer,
     routing_metrics,
     save_and_reload_placement,
 )
@@ -97,6 +107,7 @@ __all__ = [
     "load_with_a_missing_file",
     "quantized_rank_local_load",
     "rank_local_load",
+    "resume_another_model",
     "save_costs",
     "save_generate_reload",
     "save_right_after_step",
@@ -110,15 +121,22 @@ __all__ = [
     "fp16_overflow_agreement",
     "modality_mismatch",
     "nan_in_router_input",
+    "nonfinite_steps",
     "replica_check",
+    "save_refuses_nonfinite",
     # inference
     "forward_parity",
     "generate_uneven",
     "routing_replay",
     # integrations
     "accelerate_loop",
+    "distinct_inputs",
+    "eval_layout_refusals",
     "fsdp_under_accelerate",
+    "train_script",
     "trainer_eval",
+    "trainer_eval_layout",
+    "trainer_resume_latest",
     "trainer_run",
     "trainer_shadow_run",
     # lora
@@ -133,9 +151,11 @@ __all__ = [
     "trainer_refuses_expert_only_lora",
     # placement
     "group_creation_calls",
+    "group_timeouts",
     "mesh_layout",
     "parameter_bytes",
     "rebalance_then_save",
+    "rebalance_without_optimizer",
     "routing_metrics",
     "save_and_reload_placement",
     # training

@@ -331,3 +331,21 @@ def save_costs(directory: str, write_delay: float) -> dict:
         safetensors_io._write_point, heartbeat.INTERVAL_S = None, interval
     return {"peak_bytes": memory.peak, "layer_bytes": max(layer_bytes), "all_layers_bytes": sum(layer_bytes),
             "longest_wait": max(waits), "seconds": time.perf_counter() - start, "write_points": len(points)}
+
+
+def resume_another_model(directory: str) -> dict:
+    """A checkpoint of a 4-expert model resumed into an 8-expert one (EP 2: rank 1's experts 4–7 are not in it):
+    every rank refuses with the same message, before reading a weight."""
+    from hf_hybrid_ep.checkpoint.load import load_checkpoint_into_
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    small, _ = _build("qwen3_moe", 4)
+    hep.parallelize(small, hep.HybridEPConfig(ep_degree=dist.get_world_size()))
+    save_hybrid_checkpoint(small, directory)
+    large, _ = _build("qwen3_moe", 8)
+    hep.parallelize(large, hep.HybridEPConfig(ep_degree=dist.get_world_size()))
+    try:
+        load_checkpoint_into_(directory, large)
+    except hep.CheckpointError as err:
+        return {"message": str(err)}
+    return {"message": ""}

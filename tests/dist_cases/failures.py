@@ -118,3 +118,69 @@ def fp16_overflow_agreement(agree: bool) -> dict:
     scaler.update()
     changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
     return {"skipped": skipped, "changed": changed, "scale": scaler.get_scale()}
+
+
+def nonfinite_steps(policy: str = "skip", max_consecutive: int = 2, bad_rank: int = 1) -> dict:
+    """A user-built ``torch.optim.AdamW`` (no ``make_optimizer``) at dp 2 × ep 2; before steps 2, 4 and 5 the first
+    expert parameter's gradient on ``bad_rank`` gets a NaN. Returns, per step, whether the parameters and the
+    optimizer's step count changed, the skip counters and the error of the step that stopped the run."""
+    import logging
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=2, ep_degree=world // 2, on_nonfinite_grad=policy,
+                                              max_consecutive_skips=max_consecutive))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expert = hep.state_of(model).layers[0].expert_parameters()[0]
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("hf_hybrid_ep").addHandler(handler)
+    changed, steps, error = [], [], ""
+    try:
+        for step in range(1, 6):
+            batch = _rank_slice(_global_inputs(model, world, seed=step), rank)
+            model(**batch).loss.backward()
+            if step in (2, 4, 5) and rank == bad_rank:
+                expert.grad[0].view(-1)[0] = math.nan
+            hep.clip_grad_norm_(model, 1.0)
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            hep.after_optimizer_step(model)
+            changed.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)))
+            steps.append(max(int(s["step"]) for s in optimizer.state.values()))
+    except hep.NonFiniteGradientError as err:
+        error = str(err)
+    finally:
+        logging.getLogger("hf_hybrid_ep").removeHandler(handler)
+    skipped = hep.state_of(model).skipped
+    return {"changed": changed, "steps": steps, "error": error, "total": skipped.total, "warnings": messages,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def save_refuses_nonfinite(directory: str) -> dict:
+    """A good checkpoint, then a NaN in one expert row on the last rank: the second save is refused on every rank,
+    naming the tensor, and the first checkpoint stays as it was."""
+    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    save_hybrid_checkpoint(model, directory)
+    from pathlib import Path
+
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in Path(directory).iterdir())
+    if rank == world - 1:
+        with torch.no_grad():
+            hep.state_of(model).layers[1].expert_parameters()[0][0, 0, 0] = math.nan
+    try:
+        save_hybrid_checkpoint(model, directory)
+    except hep.CheckpointError as err:
+        message = str(err)
+    else:
+        message = ""
+    dist.barrier()  # rank 0 removes its staging after the others have raised
+    after = sorted((p.name, p.stat().st_mtime_ns) for p in Path(directory).iterdir())
+    leftovers = sorted(p.name for p in Path(directory).parent.iterdir() if p.name.startswith("."))
+    return {"message": message, "unchanged": before == after, "leftovers": leftovers}

@@ -15,7 +15,7 @@ from tiny_models import build_tiny_model
 
 import hf_hybrid_ep as hep
 
-from .common import ADAM_EPS, _build, _global_inputs, _rank_slice, _skew_routers
+from .common import ADAM_EPS, _build, _global_inputs, _rank_slice, _rel, _skew_routers
 
 
 def trainer_run(
@@ -156,3 +156,99 @@ def fsdp_under_accelerate() -> dict:
     except hep.HybridEPConfigError as err:
         return {"message": str(err)}
     return {"message": ""}
+
+
+def train_script(argv: list[str]) -> dict:
+    """``scripts/train.py``'s ``main`` on this rank of the pool (whose process group it leaves alone): the logged
+    losses and the rank's exit (``error``: a refusal's message)."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    try:
+        module.main(argv)
+    except hep.HybridEPConfigError as err:
+        return {"error": str(err)}
+    out = Path(argv[argv.index("--output_dir") + 1])
+    last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    return {"error": "", "losses": {e["step"]: e["loss"] for e in history if "loss" in e}}
+
+
+def distinct_inputs(same: bool) -> dict:
+    """The start-up data check on batches that differ per rank, or are the same on every rank."""
+    from hf_hybrid_ep.engine.inputs import check_distinct_inputs
+
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size()))
+    batch = _rank_slice(_global_inputs(model, dist.get_world_size(), seed=5), 0 if same else dist.get_rank())
+    try:
+        check_distinct_inputs(model, batch)
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err)}
+    return {"message": ""}
+
+
+def trainer_resume_latest(output_dir: str, max_steps: int, drop: str | None = None) -> dict:
+    """:func:`trainer_run` resuming with ``"latest"``; first, rank 0 removes file ``drop`` of the newest checkpoint
+    (an incomplete one must be skipped)."""
+    from pathlib import Path
+
+    if drop is not None and dist.get_rank() == 0:
+        newest = max(Path(output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+        (newest / drop).unlink()
+    dist.barrier()
+    return trainer_run(1, dist.get_world_size(), output_dir, max_steps, 2, "latest")
+
+
+def trainer_eval_layout(output_dir: str, eval_ep_degree: int | None) -> dict:
+    """The stock Trainer at dp 2 × ep 2 evaluating after each of 2 steps, at ``eval_ep_degree`` (``None``: the
+    training layout): training and evaluation losses, and the layout after the run."""
+    import trainer_cases as tc
+    from transformers import Trainer
+
+    from hf_hybrid_ep.integrations import HybridEP
+
+    model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=2, ep_degree=2))
+    args = tc.arguments(output_dir, 2, 2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    trainer = HybridEP(Trainer)(model=model, args=args, train_dataset=tc.dataset(), eval_dataset=tc.dataset(16),
+                                eval_ep_degree=eval_ep_degree)
+    trainer.train()
+    state = hep.state_of(model)
+    return {"losses": tc.losses(trainer),
+            "eval_losses": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e],
+            "layout": [(layer.mesh.ep_degree, [list(r) for r in layer.table.rows],
+                        tuple(layer.expert_parameters()[0].shape)) for layer in state.layers]}
+
+
+def eval_layout_refusals() -> dict:
+    """At ep 1 every rank holds all 4 experts and the logits equal the training layout's; an EP degree that does not
+    divide the training one, and a memory budget too small, are refused on every rank before anything moves."""
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=dist.get_world_size()))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    batch = _rank_slice(_global_inputs(model, dist.get_world_size(), seed=7), dist.get_rank())
+    with torch.no_grad():
+        reference = model(**batch).logits
+        with hep.eval_layout(model, 1):
+            inside = [tuple(layer.expert_parameters()[0].shape) for layer in hep.state_of(model).layers]
+            logits = model(**batch).logits
+    messages = []
+    for ep, budget in ((3, None), (1, 1024)):
+        try:
+            with hep.eval_layout(model, ep, budget_bytes=budget):
+                pass
+        except hep.HybridEPConfigError as err:
+            messages.append(str(err))
+    return {"messages": messages, "unchanged": shapes == [tuple(p.shape) for p in model.parameters()],
+            "inside": inside, "logits_rel": _rel(logits, reference)}

@@ -124,3 +124,37 @@ def routing_metrics(dp: int, ep: int, steps: int = 3, **controls: Any) -> dict:
     biases = [layer.controls.selection_bias.tolist() for layer in state.layers
               if layer.controls is not None and layer.controls.selection_bias is not None]
     return {"report": report, "biases": biases, "rank0_share": shares}
+
+
+def rebalance_without_optimizer() -> dict:
+    """Rebalancing due after a step that no optimizer took: refused before any expert moves."""
+    model, _ = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=dist.get_world_size(), rebalance_every=1))
+    model(**_rank_slice(_global_inputs(model, dist.get_world_size(), seed=0), dist.get_rank())).loss.backward()
+    before = _tables(model)
+    try:
+        hep.after_optimizer_step(model)
+    except hep.HybridEPConfigError as err:
+        return {"message": str(err), "unmoved": _tables(model) == before}
+    return {"message": "", "unmoved": _tables(model) == before}
+
+
+def group_timeouts(dp: int, ep: int, timeout_s: float) -> dict:
+    """The timeout of every process group ``parallelize`` creates (the mesh's, the reduction group, holder sets of
+    replicated experts) and the watchdog's, with ``collective_timeout_s=timeout_s``."""
+    from hf_hybrid_ep.parallel import watchdog
+
+    model, _ = _build("mixtral", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, placement=[[0, 1], [1, 2], [2, 3], [3, 0]],
+                                              collective_timeout_s=timeout_s))
+    state = hep.state_of(model)
+
+    def seconds(group) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    holders = [b.group for b in state.reducer.holder_groups if b.group is not None and len(b.ranks) == 2]
+    timeouts = {"ep": seconds(state.mesh.ep_group), "edp": seconds(state.mesh.edp_group),
+                "reduction": seconds(state.mesh.reduction_group)}
+    if holders:
+        timeouts["holders"] = seconds(holders[0])
+    return {"timeouts": timeouts, "watchdog": watchdog.current().timeout_s}

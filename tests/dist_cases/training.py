@@ -64,6 +64,7 @@ def train_parity(
     rebalance_over: float | None = None,
     topology: str | None = None,
     overlap_degree: int = 1,
+    plain_optimizer: bool = False,
     router_aux: tuple[float, str] | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
@@ -76,8 +77,10 @@ def train_parity(
     placement is the one stored in the index). ``fault`` injects one of :data:`faults.FAULTS` into the
     hybrid run (undone when the case returns), to show that the criterion catches it. With
     ``rebalance_every``, experts move online (``after_optimizer_step`` after every optimizer step); the tables
-    before and after each rebalance are returned. ``router_aux = (coef, scope)``: the model's own router aux loss on
-    in both (``output_router_logits``), formed by the hybrid model over the tokens ``aux_loss_scope=scope`` says.
+    before and after each rebalance are returned. ``plain_optimizer``: ``torch.optim.AdamW(model.parameters())``
+    built by hand instead of ``make_optimizer`` (rebalancing must find it). ``router_aux = (coef, scope)``: the
+    model's own router aux loss on in both (``output_router_logits``), formed by the hybrid model over the tokens
+    ``aux_loss_scope=scope`` says.
     """
     import faults
 
@@ -103,7 +106,7 @@ def train_parity(
     model = _hybrid_model(model, ref, config, load_from)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
-    opt, ref_opt, ref_optimizer = _optimizers(model, ref, lr)
+    opt, ref_opt, ref_optimizer = _optimizers(model, ref, lr, plain_optimizer)
     batches = [[_global_inputs(ref, world, seed=1000 * step + micro, seq=seq) for micro in range(accum)]
                for step in range(steps)]
     shadowing = shadow_capacity is not None
@@ -130,10 +133,14 @@ def _hybrid_model(model: torch.nn.Module, ref: torch.nn.Module, config: hep.Hybr
     return model
 
 
-def _optimizers(model: torch.nn.Module, ref: torch.nn.Module, lr: float) -> tuple[
+def _optimizers(model: torch.nn.Module, ref: torch.nn.Module, lr: float, plain: bool = False) -> tuple[
         torch.optim.Optimizer, torch.optim.Optimizer, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]:
-    """AdamW for the hybrid model and for the reference, and the reference's factory (for the measured spread)."""
-    opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
+    """AdamW for the hybrid model (``plain``: built by hand, fused) and for the reference, and the reference's
+    factory (for the measured spread)."""
+    if plain:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS, fused=True)
+    else:
+        opt = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=lr, eps=ADAM_EPS)
     implementation = {k: v for k, v in opt.defaults.items() if k in ("fused", "foreach") and v}
 
     # the hybrid run's implementation (fused AdamW here), so only the engine differs

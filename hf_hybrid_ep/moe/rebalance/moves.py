@@ -20,6 +20,7 @@ from torch import nn
 from ...config import HybridEPConfig
 from ...dispatch import PlacementTable
 from ...parallel.grads import GradientReducer
+from ...parallel.watchdog import watched
 from ...parallel.zero import ShardedOptimizer
 from ..holdings import expert_holdings
 from ..layer import ShardedExperts
@@ -80,8 +81,9 @@ def _move_layer(layer, new: PlacementTable, tensors: list[torch.Tensor]) -> tupl
         offset += nb
     received = torch.empty((sum(recv_counts), width), dtype=torch.uint8, device=device)
     if mesh.ep_group is not None:  # every member calls it, even with nothing to move
-        dist.all_to_all_single(received.view(-1), payload.view(-1),
-                               [c * width for c in recv_counts], [len(s) * width for s in sends], group=mesh.ep_group)
+        with watched(f"all_to_all of the experts a rebalance moves in {layer.name}", mesh.ep_group):
+            dist.all_to_all_single(received.view(-1), payload.view(-1), [c * width for c in recv_counts],
+                                   [len(s) * width for s in sends], group=mesh.ep_group)
     # rows arrive ordered by source rank, each source's in this rank's new-slot order
     arrivals = {}
     cursor = [sum(recv_counts[:q]) for q in range(ep)]

@@ -36,6 +36,7 @@ from ...dispatch import PlacementTable
 from ...parallel.grads import GradientReducer
 from ...parallel.mesh import HybridMesh
 from ...parallel.topology import Topology
+from ...parallel.watchdog import watched
 from ...planning.placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
 from ..layer import ShardedExperts
 from .moves import apply_tables
@@ -137,7 +138,8 @@ class Rebalancer:
         mine = self._fit([layer for i, layer in enumerate(layers) if i % mesh.world_size == mesh.rank])
         if mesh.world_group is not None:
             gathered: list = [None] * mesh.world_size
-            dist.all_gather_object(gathered, mine, group=mesh.world_group)
+            with watched("all_gather of a rebalance's fitted tables", mesh.world_group):
+                dist.all_gather_object(gathered, mine, group=mesh.world_group)
             mine = {name: rows for part in gathered for name, rows in part.items()}
         return {layer.name: PlacementTable.from_rows(layer.num_experts, mine[layer.name]) for layer in layers}
 

@@ -1,0 +1,218 @@
+"""Fault drills with real processes and real signals: a stopped rank is named and every other rank exits; a killed
+rank is recovered from by the launcher, the resumed run equal to an uninterrupted one; the launcher's restarts.
+
+The hang drill starts 4 ranks bare (as srun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT; rank 0 hosts the c10d store)
+running ``tests/fault_worker.py``; the recovery drill runs ``hf-hybrid-ep launch -- torchrun ... scripts/train.py``
+on the CPU (so it also shows that a plain torchrun of the script trains data-parallel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import dist_cases as cases
+import pytest
+
+from hf_hybrid_ep.integrations.launch import Job, smaller_world, supervise
+from hf_hybrid_ep.parallel.watchdog import EXIT_CODE
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TIMEOUT_S = 20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bare_ranks(world: int, argv: list[str]) -> list[subprocess.Popen]:
+    port = _port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_worker.py"), *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    return procs
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_and_every_other_rank_exits():
+    """SIGSTOP rank 2 of 4 (collective_timeout_s=20) after its third step: ranks 0, 1 and 3 exit with the watchdog's
+    code within 50 s, each with one message naming a collective, its group and rank 2 as the one that did not
+    arrive; SIGCONT afterwards only ends rank 2 the same way."""
+    procs = _bare_ranks(4, [str(TIMEOUT_S), "100000"])
+    victim = procs[2]
+    try:
+        for line in victim.stdout:
+            if line.startswith("step 3"):
+                break
+        os.kill(victim.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        exits = {}
+        while len(exits) < 3 and time.monotonic() - stopped < 90:
+            for rank in (0, 1, 3):
+                if rank not in exits and procs[rank].poll() is not None:
+                    exits[rank] = time.monotonic() - stopped
+            time.sleep(0.2)
+        os.kill(victim.pid, signal.SIGCONT)
+        victim.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sorted(exits) == [0, 1, 3] and max(exits.values()) < TIMEOUT_S + 30, exits
+    for rank in (0, 1, 3):
+        err = procs[rank].stderr.read()
+        assert procs[rank].returncode == EXIT_CODE, (rank, err[-3000:])
+        report = err[err.index("hf_hybrid_ep watchdog"):]
+        assert report.count("hf_hybrid_ep watchdog") == 1, report
+        assert f"rank {rank}" in report and "did not arrive: rank(s) [2] (no heartbeat" in report, report
+        assert any(f"{what} of " in report for what in ("all_to_all", "all_reduce")), report
+        assert "over the world (ranks 0–3)" in report or "over ranks [2, 3]" in report, report
+    stderr = victim.stderr.read()
+    assert victim.returncode == EXIT_CODE and "rank 2 did not run for" in stderr, stderr[-3000:]
+    assert "step" not in victim.stdout.read(), "a stopped rank resumes no training"
+
+
+def _train_args(out: Path, text: Path, *extra: str) -> list[str]:
+    return ["--train_file", str(text), "--output_dir", str(out), "--max_steps", "40", "--save_steps", "10",
+            "--logging_steps", "1", "--block_size", "32", "--per_device_train_batch_size", "2", "--report_to", "none",
+            "--ep_degree", "2", "--disable_tqdm", "true", "--learning_rate", "3e-3", *extra]
+
+
+def _corpus(tmp_path: Path) -> Path:
+    import random
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    path = tmp_path / "train.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(40)) for _ in range(300)))
+    return path
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_recovered_by_the_launcher(pools, tmp_path):
+    """``kill -9`` of rank 2 of 4 once checkpoint-10 exists: torchrun ends the job, ``hf-hybrid-ep launch`` runs it
+    again, it resumes from the newest complete checkpoint and finishes by itself; every logged loss equals an
+    uninterrupted run's (the data order resumed) and expert_load.jsonl holds each step once."""
+    import psutil
+
+    text, out = _corpus(tmp_path), tmp_path / "run"
+    reference = pools(4).run(cases.train_script, _train_args(tmp_path / "reference", text))[0]["losses"]
+    command = [str(BIN / "hf-hybrid-ep"), "launch", "--max-restarts", "1", "--", str(BIN / "torchrun"),
+               "--nproc_per_node", "4", str(ROOT / "scripts" / "train.py"),
+               *_train_args(out, text, "--resume_from_checkpoint", "latest")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True).start()
+    killed = False
+    try:
+        while job.poll() is None:
+            if not killed and (out / "checkpoint-10").is_dir():
+                ranks = [c for c in psutil.Process(job.pid).children(recursive=True)
+                         if c.environ().get("LOCAL_RANK") == "2" and "train.py" in " ".join(c.cmdline())]
+                if ranks:
+                    os.kill(ranks[0].pid, signal.SIGKILL)
+                    killed = not (out / "checkpoint-40").exists()
+            time.sleep(0.05)
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    log = "".join(lines)
+    assert killed and job.returncode == 0, log[-4000:]
+    assert "attempt 1 failed with exit status" in log and "restarting the whole job" in log, log[-4000:]
+    assert "resume_from_checkpoint=latest: no complete checkpoint in" in log  # the first attempt: a fresh start
+    resumed = next(line for line in log.splitlines() if "resume_from_checkpoint=latest: resuming from" in line)
+    step = int(resumed.rsplit("checkpoint-", 1)[1])
+    assert step >= 10, resumed
+    history = json.loads((out / "checkpoint-40" / "trainer_state.json").read_text())["log_history"]
+    losses = {e["step"]: e["loss"] for e in history if "loss" in e}
+    assert sorted(losses) == list(range(1, 41))
+    worst = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in range(step + 1, 41))
+    assert worst <= cases.REL_TOL, (worst, losses, reference)
+    records = [json.loads(line)["step"] for line in (out / "expert_load.jsonl").read_text().splitlines()]
+    assert records == list(range(1, 41)), records
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "job.py"
+    path.write_text("import os, subprocess, sys, time\nfrom pathlib import Path\n" + body)
+    return path
+
+
+def test_the_launcher_restarts_the_whole_job_and_ends_its_leftovers(tmp_path, capsys):
+    """A job that fails once (leaving a child that would run for a minute) and succeeds the second time: one restart,
+    the child of the failed attempt ended; a job that always fails: the restarts run out, its status is returned."""
+    marker, child = tmp_path / "attempted", tmp_path / "child.pid"
+    job = _script(tmp_path, f"""
+if not Path({str(marker)!r}).exists():
+    Path({str(marker)!r}).write_text("1")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    Path({str(child)!r}).write_text(str(sleeper.pid))
+    sys.exit(3)
+""")
+    start = time.monotonic()
+    assert supervise([sys.executable, str(job), "--resume_from_checkpoint", "latest"], 2) == 0
+    assert time.monotonic() - start < 20
+    pid = int(child.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # ended with the attempt (SIGTERM to its process group)
+    err = capsys.readouterr().err
+    assert "attempt 1 failed with exit status 3; restarting the whole job (1 of 2 restarts)" in err, err
+    failing = _script(tmp_path, "sys.exit(5)\n")
+    assert supervise([sys.executable, str(failing)], 1) == 5
+    err = capsys.readouterr().err
+    assert "passes no --resume_from_checkpoint" in err and "no restart left (--max-restarts 1)" in err, err
+
+
+def test_the_launcher_rewrites_a_command_for_a_smaller_world(tmp_path):
+    command = ["accelerate", "launch", "--multi_gpu", "--num_processes=4", "scripts/train.py", "--ep_degree", "4",
+               "--output_dir", "runs/x"]
+    job = Job.of(command)
+    assert (job.processes, job.output_dir) == (4, "runs/x")
+    assert job.command(29600)[:4] == ["accelerate", "launch", "--main_process_port", "29600"]
+    smaller = job.at_world(2, (2, 1))
+    assert smaller.launcher == ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "scripts/train.py"]
+    assert smaller.script == ["--ep_degree", "1", "--output_dir", "runs/x", "--dp_degree", "2"]
+    torchrun = Job.of(["torchrun", "--nproc_per_node", "8", "train.py"]).at_world(6, None)
+    assert torchrun.launcher == ["torchrun", "--nproc_per_node", "6", "train.py"] and torchrun.script == []
+    # the planner lays the demo model (8 experts) out on the largest world below 4 it fits: 3 GPUs, dp 3 × ep 1
+    assert smaller_world(4, 2, ROOT / "scripts" / "demo_assets", 4.0) == (3, (3, 1))
+    assert smaller_world(4, 2, None, None) == (3, None)
+    assert smaller_world(4, 2, ROOT / "scripts" / "demo_assets", 1e-6) is None  # nothing fits
+
+
+def test_every_group_the_engine_creates_gets_the_collective_timeout(pools):
+    for r in pools(4).run(cases.group_timeouts, 1, 4, 45.0):  # each expert on 2 ranks: groups of holder sets
+        assert set(r["timeouts"].values()) == {45.0}, r
+        assert {"ep", "edp", "reduction", "holders"} <= set(r["timeouts"]), r
+        assert r["watchdog"] == 45.0, r
+
+
+def test_report_prints_its_summary_and_flags_steps_logged_twice(tmp_path, capsys):
+    from hf_hybrid_ep.cli import main as cli
+
+    layer = {"tokens_per_expert": [3, 1], "tokens_per_rank": [3, 1], "imbalance_expert": 1.5, "imbalance_rank": 1.5,
+             "dropped_fraction": 0.0, "dead_experts": 0}
+    log = tmp_path / "expert_load.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "layers": {"model.layers.0.mlp.experts": layer}}) + "\n"
+                           for s in (1, 2, 3, 2, 3, 4)))
+    assert cli(["report", str(log), "--out", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "6 records, steps 1–4, 1 MoE layers" in out and "model.layers.0.mlp.experts: 1.50 → 1.50" in out, out
+    assert "WARNING: step(s) [2, 3] logged more than once" in out, out
