@@ -149,3 +149,24 @@ def test_hybrid_ep_makes_one_class_per_trainer_class():
         HybridEP(HybridEP(Trainer))
     with pytest.raises(TypeError, match="transformers.Trainer or a subclass"):
         HybridEP(dict)
+
+
+def test_grpo_routing_replay(pools, tmp_path):
+    # routing_replay=True: the experts chosen while generating are replayed in the scoring and training forwards
+    # (every logged step replayed some). Two iterations over each generation batch: the second trains weights one
+    # update away from the sampling ones, where the router alone would move a share of the replayed choices.
+    results = pools(4).run(cases.grpo_routing_replay, 2, 2, str(tmp_path), 2)
+    for r in results:
+        assert len(r["changed"]) == 2 and all(c is not None for c in r["changed"]), r
+    assert max(r["changed"][1] for r in results) > 0.1, results
+
+
+def test_routing_replay_is_for_grpo(tmp_path):
+    import trl_cases as tc
+
+    import hf_hybrid_ep as hep
+    from hf_hybrid_ep.integrations import HybridEP
+
+    with pytest.raises(hep.HybridEPConfigError, match="routing_replay=True .* is not a GRPOTrainer"):
+        HybridEP(tc.trainer_class("sft"))(model=_single_process_model(), routing_replay=True,
+                                          **tc.trainer_kwargs("sft", str(tmp_path), 2))

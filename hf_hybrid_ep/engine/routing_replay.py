@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import HybridEPConfigError
 from ..moe.router_rules import match_rule
+from .adapters import is_peft_model
 from .state import state_of
 
 
@@ -55,6 +57,28 @@ class RoutingRecord:
     def layers(self) -> list[str]:
         return sorted(self._passes)
 
+    def rows(self) -> torch.Tensor:
+        """Every layer's choices as one tensor ``[B, L, layers, k]`` (layers in :attr:`layers` order), to travel
+        with the rows of a batch."""
+        return torch.stack([self.choices(name) for name in self.layers], dim=2)
+
+    @classmethod
+    def from_rows(cls, layers: list[str], rows: torch.Tensor) -> RoutingRecord:
+        """The record :meth:`rows` made, of the rows ``rows`` holds (any subset, in any order)."""
+        record = cls()
+        for i, name in enumerate(layers):
+            record.add(name, rows[:, :, i])
+        return record
+
+
+@dataclass
+class ReplayStats:
+    """What a replay did: token choices (position × layer) routed to recorded experts, and how many of those the
+    router alone would have sent elsewhere."""
+
+    replayed: int = 0
+    changed: int = 0
+
 
 def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     layers = state_of(model).layers
@@ -68,6 +92,7 @@ def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _batch_shape(model: nn.Module) -> Iterator[list[tuple[int, int]]]:
     """``[(B, S)]`` of the model's forward in progress (from ``input_ids`` or ``inputs_embeds``)."""
     shape: list[tuple[int, int]] = []
+    model = model.get_base_model() if is_peft_model(model) else model  # the module generate and PEFT call
 
     def before(module, args, kwargs):
         x = kwargs.get("input_ids", args[0] if args else None)
@@ -101,43 +126,55 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
 
 
 @contextlib.contextmanager
-def replay_routing(model: nn.Module, record: RoutingRecord) -> Iterator[None]:
+def replay_routing(model: nn.Module, record: RoutingRecord, sequential: bool = False) -> Iterator[ReplayStats]:
     """During the block's forwards of ``model``, route every position ``record`` covers to its recorded experts,
-    with the router's weights at those experts.
+    with the router's weights at those experts; yields the :class:`ReplayStats` of the block. Every forward covers
+    all the record's rows, or (``sequential``) the next rows of the record in order (a batch scored in chunks).
 
     Raises:
         HybridEPConfigError: a router no selection rule reproduces, a layer the record lacks, or a forward whose
-            batch has another number of rows than the record's.
+            rows the record does not have.
     """
     temperature = state_of(model).config.router_temperature
+    stats = ReplayStats()
     hooks = []
     for name, router in _routers(model):
         rule = match_rule(router, int(router.top_k), router.weight.shape[1])
         if rule is None:
             raise HybridEPConfigError(f"routing replay: the router of {name} ({type(router).__name__}) matches no "
                                       "selection rule, so its weights at replayed experts cannot be formed")
-        hooks.append((router, _replay_hook(name, rule, record.choices(name), temperature)))
+        hooks.append((router, _replay_hook(name, rule, record.choices(name), temperature, stats,
+                                                   sequential)))
     with _batch_shape(model) as shape:
         # first among the router's hooks, so that load accounting and the router losses see the replayed choices
         handles = [router.register_forward_hook(hook(shape), prepend=True) for router, hook in hooks]
         try:
-            yield
+            yield stats
         finally:
             for h in handles:
                 h.remove()
 
 
-def _replay_hook(name: str, rule, recorded: torch.Tensor, temperature: float | None):
+def _replay_hook(name: str, rule, recorded: torch.Tensor, temperature: float | None, stats: ReplayStats,
+                 sequential: bool):
     def make(shape):
+        offset = 0
+
         def replace(module, args, output):
+            nonlocal offset
             logits, _, index = output
             rows, positions = shape[0]
-            if rows != recorded.shape[0]:
+            first = offset if sequential else 0
+            if first + rows > recorded.shape[0] or (not sequential and rows != recorded.shape[0]):
                 raise HybridEPConfigError(f"routing replay: {name} recorded {recorded.shape[0]} rows, the forward "
-                                          f"has {rows}")
+                                          f"asks for rows {first}..{first + rows - 1}")
+            offset += rows
             index = index.reshape(rows, positions, -1).clone()
             covered = min(positions, recorded.shape[1])
-            index[:, :covered] = recorded[:, :covered].to(index.device)
+            replayed = recorded[first : first + rows, :covered].to(index.device)
+            stats.replayed += rows * covered
+            stats.changed += int((index[:, :covered].sort(-1)[0] != replayed.sort(-1)[0]).any(-1).sum())
+            index[:, :covered] = replayed
             index = index.reshape(rows * positions, -1)
             scaled = logits if temperature is None else logits / temperature
             return logits, rule.weights(module, scaled, rule.scores(scaled), index), index

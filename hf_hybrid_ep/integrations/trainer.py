@@ -53,6 +53,7 @@ from ..engine.inputs import check_distinct_inputs
 from ..engine.nonfinite import record_norm
 from ..engine.optimizers import reshard_optimizer
 from ..engine.replicas import verify_model_replicas
+from ..engine.routing_replay import ReplayStats
 from ..engine.state import state_of
 from ..engine.step import after_optimizer_step
 from ..errors import HybridEPConfigError
@@ -64,7 +65,7 @@ from ..parallel.amp import agree_found_inf_
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 from .resume import resolve_resume
-from .trl import check_construction, take_over
+from .trl import GRPORoutingReplay, check_construction, is_grpo, take_over
 
 logger = logging.getLogger("hf_hybrid_ep")
 
@@ -135,6 +136,8 @@ def HybridEP(trainer_class: type[Trainer]) -> type[Trainer]:  # noqa: N802 - a c
         eval_ep_degree: run ``evaluate()`` with the experts laid out at this smaller EP degree (more experts per
             rank: pair it with a larger ``per_device_eval_batch_size``), training continuing at the full degree
             afterwards (:func:`hf_hybrid_ep.eval_layout`; memory checked first). ``None``: the training layout.
+        routing_replay: (TRL's ``GRPOTrainer``) route each training forward to the experts its completions were
+            generated with (:class:`hf_hybrid_ep.integrations.trl.GRPORoutingReplay`).
 
     A trainer that wraps the model with PEFT itself (TRL's, given ``peft_config``) gets its adapters taken over
     (:func:`hf_hybrid_ep.integrations.trl.take_over`); what TRL does that the engine cannot follow is refused.
@@ -145,6 +148,8 @@ def HybridEP(trainer_class: type[Trainer]) -> type[Trainer]:  # noqa: N802 - a c
     if issubclass(trainer_class, _EngineMethods):
         raise TypeError(f"{trainer_class.__name__} is already a hybrid-EP trainer")
     bases = (_Construction, _EngineMethods) if trainer_class is Trainer else (_Construction, trainer_class, _EngineMethods)
+    if is_grpo(trainer_class):
+        bases = (_Construction, GRPORoutingReplay, trainer_class, _EngineMethods)
     name = f"HybridEP{trainer_class.__name__}"
     return type(name, bases, {"__module__": __name__, "__qualname__": name, "__doc__": HybridEP.__doc__})
 
@@ -155,9 +160,13 @@ class _Construction:
 
     def __init__(
         self, model: nn.Module, *args, verify_sync_steps: int = 0, freeze_experts=None, freeze_from_step: int = 0,
-        eval_ep_degree: int | None = None, **kwargs,
+        eval_ep_degree: int | None = None, routing_replay: bool = False, **kwargs,
     ) -> None:
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
+        if routing_replay and not is_grpo(type(self)):
+            raise HybridEPConfigError(f"routing_replay=True replays the routing of generated completions: "
+                                      f"{type(self).__name__} is not a GRPOTrainer")
+        self.routing_replay, self.routing_replay_stats = routing_replay, ReplayStats()
         named = inspect.signature(super().__init__).bind_partial(model, *args, **kwargs).arguments
         check_construction(type(self), model, named)
         # the Trainer sets config.use_cache from its args (False); checkpoints keep the source's
@@ -237,6 +246,10 @@ class _EngineMethods(Trainer):
             logs.update(summary_scalars(report))
             if rebalances:
                 logs["moe/rebalances"] = float(sum(e["moved"] for e in rebalances))
+            replay = self.routing_replay_stats
+            if replay.replayed:  # this rank's, since the last log
+                logs["moe/replay_changed_fraction"] = replay.changed / replay.replayed
+                replay.replayed = replay.changed = 0
             if report and self.args.should_save:
                 os.makedirs(self.args.output_dir, exist_ok=True)
                 append_jsonl(os.path.join(self.args.output_dir, JSONL_NAME), self.state.global_step, report,

@@ -12,6 +12,9 @@
   engine's own router losses, which go into the output's ``loss``, would be dropped, so they are refused.
 * generation under EP is collective: the engine makes ``generate`` keep every rank stepping (``synced_gpus``);
   paths that bypass it (vLLM, transformers' continuous batching) are refused.
+* GRPO with ``routing_replay=True`` (:class:`GRPORoutingReplay`): the experts chosen while generating are
+  recorded per row, travel with the rows through TRL's buffer, shuffling and splitting, and are replayed in the
+  training forwards.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from ..checkpoint.adapters import check_fresh_init, init_adapters_
 from ..engine.adapters import is_peft_model
+from ..engine.routing_replay import RoutingRecord, record_routing, replay_routing
 from ..engine.setup import parallelize_peft_model
 from ..engine.state import carries_state, state_of
 from ..errors import HybridEPConfigError
@@ -31,8 +35,67 @@ def is_trl_trainer(trainer_class: type) -> bool:
     return any(c.__module__.split(".")[0] == "trl" for c in trainer_class.__mro__)
 
 
+def _is_trl(trainer_class: type, name: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("trl.") for c in trainer_class.__mro__)
+
+
 def _is_dpo(trainer_class: type) -> bool:
-    return any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in trainer_class.__mro__)
+    return _is_trl(trainer_class, "DPOTrainer")
+
+
+def is_grpo(trainer_class: type) -> bool:
+    """Whether ``trainer_class`` derives from TRL's ``GRPOTrainer``."""
+    return _is_trl(trainer_class, "GRPOTrainer")
+
+
+ROUTING_KEY = "hybrid_ep_routing"  # the recorded experts' entry in GRPO's batches: [B, L, layers, k]
+
+
+class GRPORoutingReplay:
+    """``GRPOTrainer`` methods that record the routing of each generation and replay it in the training forward
+    (``routing_replay=True``; :mod:`hf_hybrid_ep.engine.routing_replay`). The recorded choices ride in the batch
+    dict under :data:`ROUTING_KEY`, so TRL's shuffling and splitting keep them with their rows; the logs carry
+    ``moe/replay_changed_fraction``: the share of replayed token choices the router would have made otherwise."""
+
+    routing_replay = False
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if not (self.routing_replay and self.model.training):
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with record_routing(self.hybrid_model) as record:
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        self._routing_record = record
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        record = self.__dict__.pop("_routing_record", None)
+        if record is not None:
+            out[ROUTING_KEY] = record.rows()
+            self._routing_layers = record.layers
+        return out
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        """Scoring the generation batch (old and reference log-probabilities, in chunks of rows, in order) right
+        after generating it: the recorded routing, row by row."""
+        record = self.__dict__.get("_routing_record")
+        if record is None:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        with replay_routing(self.hybrid_model, record, sequential=True) as stats:
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        self.routing_replay_stats.replayed += stats.replayed
+        self.routing_replay_stats.changed += stats.changed
+        return out
+
+    def _compute_loss(self, model, inputs):
+        rows = inputs.get(ROUTING_KEY)
+        if rows is None:
+            return super()._compute_loss(model, inputs)
+        with replay_routing(self.hybrid_model, RoutingRecord.from_rows(self._routing_layers, rows)) as stats:
+            loss = super()._compute_loss(model, inputs)
+        self.routing_replay_stats.replayed += stats.replayed
+        self.routing_replay_stats.changed += stats.changed
+        return loss
 
 
 def check_construction(trainer_class: type, model: nn.Module, kwargs: dict) -> None:

@@ -93,7 +93,7 @@ from .training import (
     one_hot_expert_training,
     train_parity,
 )
-from .trl import grpo_compare, grpo_generate, trl_parity
+from .trl import grpo_compare, grpo_generate, grpo_routing_replay, trl_parity
 
 __all__ = [
     # constants and the comparison helper tests use directly
@@ -170,5 +170,6 @@ __all__ = [
     # trl
     "grpo_compare",
     "grpo_generate",
+    "grpo_routing_replay",
     "trl_parity",
 ]

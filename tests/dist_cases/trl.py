@@ -103,3 +103,21 @@ def grpo_compare(record_path: str) -> dict:
     _KEPT.clear()
     return _report(kept["model"], torch.load(record_path, weights_only=True), kept["logged"], kept["grads"],
                    kept["max_norm"])
+
+
+def grpo_routing_replay(dp: int, ep: int, output_dir: str, num_iterations: int) -> dict:
+    """GRPO with ``routing_replay=True``: per step, the share of replayed token choices the router would have made
+    otherwise (``moe/replay_changed_fraction``), and the logged losses."""
+    import trl_cases as tc
+
+    from hf_hybrid_ep.integrations import HybridEP
+
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, aux_loss_scope="global")
+    kwargs = tc.trainer_kwargs("grpo", output_dir, PER_RANK)
+    kwargs["args"].num_iterations = num_iterations
+    trainer = HybridEP(tc.trainer_class("grpo"))(model=hep.parallelize(tc.model(), config), routing_replay=True,
+                                                 **kwargs)
+    trainer.train()
+    history = [e for e in trainer.state.log_history if "loss" in e]
+    return {"changed": [e.get("moe/replay_changed_fraction") for e in history],
+            "loss": [e["loss"] for e in history]}
