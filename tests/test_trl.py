@@ -12,7 +12,6 @@ import dist_cases as cases
 import parity
 import pytest
 
-pytest.importorskip("trl")
 
 LAYOUTS = [(2, 2), (1, 4)]
 
