@@ -12,7 +12,6 @@ import dist_cases as cases
 import parity
 import pytest
 
-
 LAYOUTS = [(2, 2), (1, 4)]
 
 
@@ -44,6 +43,11 @@ def test_sft_parity(pools, reference, tmp_path, layout, opts):
     results = pools(4).run(cases.trl_parity, "sft", *layout, str(tmp_path / "run"), record, **opts)
     parity.assert_faithful(results)
     _assert_metrics(results, ("aux_loss",))  # the model's own aux loss, over the global batch
+    if layout == (2, 2) and not opts.get("lora"):  # the per-rank aux loss is another loss: the check sees it
+        local = pools(4).run(cases.trl_parity, "sft", *layout, str(tmp_path / "local"), record, **opts,
+                             aux_loss_scope="local")
+        parity.record(local)
+        assert all({"loss", "step0_grads"} <= set(parity.failed_checks(r)) for r in local), local[0]
 
 
 def _assert_metrics(results: list[dict], keys: tuple[str, ...]) -> None:

@@ -22,12 +22,12 @@ _KEPT: dict = {}  # a GRPO run kept between its generating job and its compariso
 
 
 def _hybrid_trainer(kind: str, dp: int, ep: int, output_dir: str, *, lora: bool = False,
-                    full_reference: bool = False, **opts):
+                    full_reference: bool = False, aux_loss_scope: str = "global", **opts):
     import trl_cases as tc
 
     from hf_hybrid_ep.integrations import HybridEP
 
-    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, aux_loss_scope="global")
+    config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, aux_loss_scope=aux_loss_scope)
     kwargs = tc.trainer_kwargs(kind, output_dir, PER_RANK, lora=lora, **opts)
     if full_reference:  # itself parallelized: experts sharded, no gradients
         kwargs["ref_model"] = hep.parallelize(tc.model(), config)
@@ -65,7 +65,8 @@ def _report(model: torch.nn.Module, want: dict, logged: dict, grads: dict, max_n
 
 
 def trl_parity(kind: str, dp: int, ep: int, output_dir: str, record_path: str, **opts) -> dict:
-    """A TRL trainer of ``kind`` (``"sft"`` / ``"dpo"``) on hybrid EP against the single-process record."""
+    """A TRL trainer of ``kind`` (``"sft"`` / ``"dpo"``) on hybrid EP against the single-process record
+    (``aux_loss_scope="local"`` in ``opts``: the per-rank aux loss, which the record does not equal)."""
     import trl_cases as tc
 
     want = torch.load(record_path, weights_only=True)
