@@ -50,6 +50,19 @@ def test_sft_parity(pools, reference, tmp_path, layout, opts):
         assert all({"loss", "step0_grads"} <= set(parity.failed_checks(r)) for r in local), local[0]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sft_checkpoint_resumes_at_another_ep_degree(pools, tmp_path, lora):
+    # HybridEP(SFTTrainer) checkpoints after every step (expert-sharded weights or PEFT's adapter directory, and the
+    # optimizer state by expert id); resumed from step 1 at dp1×ep4, step 2 has the uninterrupted dp2×ep2 run's loss
+    pool = pools(4)
+    full = pool.run(cases.trl_resume, "sft", 2, 2, str(tmp_path / "run"), lora=lora)[0]["loss"]
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    assert (checkpoint / ("adapter_model.safetensors" if lora else "model.safetensors.index.json")).is_file()
+    for r in pool.run(cases.trl_resume, "sft", 1, 4, str(tmp_path / "resume"), str(checkpoint), lora=lora):
+        # the first entry is the checkpoint's own log history
+        assert len(r["loss"]) == 2 and abs(r["loss"][1] - full[1]) <= parity.REL_TOL * full[1], (r, full)
+
+
 def _assert_metrics(results: list[dict], keys: tuple[str, ...]) -> None:
     """The trainer's own logged metrics (gathered over the ranks by TRL) equal the single process's."""
     for r in results:

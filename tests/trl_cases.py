@@ -87,20 +87,22 @@ def _common(output_dir: str, per_device: int) -> dict:
 
 
 def arguments(kind: str, output_dir: str, per_device: int, packing: bool = False, **extra):
+    """The TRL config of ``kind``; ``extra`` overrides any setting."""
     if kind == "sft":
         from trl import SFTConfig
 
-        return SFTConfig(**_common(output_dir, per_device), gradient_accumulation_steps=2, packing=packing,
-                         max_length=24, **extra)
+        own = {"gradient_accumulation_steps": 2, "packing": packing, "max_length": 24}
+        return SFTConfig(**{**_common(output_dir, per_device), **own, **extra})
     if kind == "dpo":
         from trl import DPOConfig
 
-        return DPOConfig(**_common(output_dir, per_device), gradient_accumulation_steps=2, **extra)
+        return DPOConfig(**{**_common(output_dir, per_device), "gradient_accumulation_steps": 2, **extra})
     from trl import GRPOConfig
 
     # EOS favoured while sampling (only there), so that completions end at different steps on different ranks
-    return GRPOConfig(**_common(output_dir, per_device), num_generations=4, max_completion_length=6, beta=0.0,
-                      shuffle_dataset=False, generation_kwargs={"sequence_bias": [[[EOS], EOS_BIAS]]}, **extra)
+    own = {"num_generations": 4, "max_completion_length": 6, "beta": 0.0, "shuffle_dataset": False,
+           "generation_kwargs": {"sequence_bias": [[[EOS], EOS_BIAS]]}}
+    return GRPOConfig(**{**_common(output_dir, per_device), **own, **extra})
 
 
 def peft_config():
@@ -110,10 +112,11 @@ def peft_config():
 
 
 def trainer_kwargs(kind: str, output_dir: str, per_device: int, *, lora: bool = False, packing: bool = False,
-                   completion_only: bool = True, **extra) -> dict:
-    """The keyword arguments of the TRL trainer of ``kind`` (``model`` and ``ref_model`` left to the caller)."""
+                   completion_only: bool = True, settings: dict | None = None, **extra) -> dict:
+    """The keyword arguments of the TRL trainer of ``kind`` (``model`` and ``ref_model`` left to the caller);
+    ``settings`` override the config's."""
     args = arguments(kind, output_dir, per_device, packing, **({"completion_only_loss": completion_only}
-                                                               if kind == "sft" else {}))
+                                                               if kind == "sft" else {}), **(settings or {}))
     if lora:  # the adapters' gradients are smaller: clipping must still act
         args.max_grad_norm = 0.1
     # packing: enough examples that every step's rows are whole packed rows (none repeated to even out batches)

@@ -93,7 +93,7 @@ from .training import (
     one_hot_expert_training,
     train_parity,
 )
-from .trl import grpo_compare, grpo_generate, grpo_routing_replay, trl_parity
+from .trl import grpo_compare, grpo_generate, grpo_routing_replay, trl_parity, trl_resume
 
 __all__ = [
     # constants and the comparison helper tests use directly
@@ -172,4 +172,5 @@ __all__ = [
     "grpo_generate",
     "grpo_routing_replay",
     "trl_parity",
+    "trl_resume",
 ]

@@ -76,6 +76,16 @@ def trl_parity(kind: str, dp: int, ep: int, output_dir: str, record_path: str, *
     return _report(trainer.model, want, tc.logged(trainer), first.grads, trainer.args.max_grad_norm)
 
 
+def trl_resume(kind: str, dp: int, ep: int, output_dir: str, resume_from: str | None = None, **opts) -> dict:
+    """A TRL trainer of ``kind`` checkpointing after every step (or resuming ``resume_from``); its logged losses."""
+    import trl_cases as tc
+
+    settings = {"save_strategy": "steps", "save_steps": 1}
+    trainer, _ = _hybrid_trainer(kind, dp, ep, output_dir, settings=settings, **opts)
+    trainer.train(resume_from_checkpoint=resume_from)
+    return {"loss": tc.logged(trainer)["loss"]}
+
+
 def grpo_generate(dp: int, ep: int, output_dir: str, **opts) -> dict:
     """GRPO with transformers generation under EP (every rank stepping until all are done), end to end; the
     completions each rank scored, in order, for the single-process replay. The run is kept for
