@@ -30,6 +30,8 @@ NONFINITE_GRAD_POLICIES = ("skip", "stop")
 TRAINING_SETTINGS = ("microbatch_size", "gradient_accumulation", "optimizer", "resume_from_checkpoint")
 MIN_COLLECTIVE_TIMEOUT_S = 10.0  # above two beats of a rank-0-only write (parallel/heartbeat.py, 5 s apart)
 DENSE_SHARDINGS = ("replicate", "fsdp")
+# Which tokens a router load-balancing loss is formed over (docs/trl.md, "The load-balancing loss").
+AUX_LOSS_SCOPES = ("local", "global")
 
 
 def read_yaml_mapping(path: str | os.PathLike[str], label: str) -> Mapping[str, Any]:
@@ -139,7 +141,16 @@ class HybridEPConfig:
             is subtracted from the selection scores of the experts on EP rank r, from a running
             estimate of per-rank load (selection only; the combine weights stay the router's).
         aux_loss_coef / z_loss_coef: add a Switch load-balancing loss / router z-loss with these
-            coefficients to the training loss (computed on each rank's micro-batch).
+            coefficients to the training loss (over the tokens ``aux_loss_scope`` says).
+        aux_loss_scope: which tokens the router losses are formed over — the engine's (``aux_loss_coef``,
+            ``z_loss_coef``) and the model's own (transformers' ``load_balancing_loss_func``, returned as the
+            output's ``aux_loss`` when the config has ``output_router_logits``; TRL's trainers add it).
+            ``"local"``: this rank's micro-batch, as every data-parallel run computes it. ``"global"``: every
+            rank's micro-batch of the micro-step together — the expert counts, router-probability sums and token
+            counts are all-reduced over the world before the loss is formed, so its value and gradients equal
+            one process's loss over that global batch (one small all-reduce per differentiated forward; forwards
+            under ``no_grad`` keep the local value). Gradient accumulation averages the micro-steps' losses, as
+            one process with the same accumulation does.
         bias_update_rate: aux-loss-free balancing (DeepSeek-V3): after every optimizer step each
             expert's selection bias moves by ``rate · sign(mean_load − load)`` from the loads of the
             step's micro-batches, all-reduced over the world. Uses the router's own correction bias
@@ -221,6 +232,7 @@ class HybridEPConfig:
     device_load_factors: float | None = None
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
+    aux_loss_scope: str = "local"
     bias_update_rate: float | None = None
     force_balanced_routing: bool = False
     dead_expert_steps: int = 100
@@ -289,6 +301,7 @@ class HybridEPConfig:
         for name in ("device_load_factors", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             _check_number(name, getattr(self, name), positive=False, optional=True)
         _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        _check_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
         for name in ("expert_alignment", "overlap_degree", "dead_expert_steps", "shadow_capacity", "max_consecutive_skips"):
             check_int(name, getattr(self, name))
         for name in ("overlap_grad_reduce", "shadow_experts", "coactivation_stats", "verify_checksums"):

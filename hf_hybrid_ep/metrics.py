@@ -213,7 +213,7 @@ def write_report(stats: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
                      f"{b['imbalance_rank']:.2f}; {b['dropped_fraction']:.3f}; {b['dead_experts']}")
     if repeated:
         lines.append(f"WARNING: step(s) {repeated[:10]} logged more than once (a resumed run appended to the log of an "
-                     "interrupted one; HybridEPTrainer drops the later records when it resumes): figures count them "
+                     "interrupted one; HybridEP(Trainer) drops the later records when it resumes): figures count them "
                      "twice")
     events = [e for r in records for e in r.get("rebalances", [])]
     if events:

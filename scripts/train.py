@@ -35,13 +35,14 @@ from transformers import (
     DataCollatorForLanguageModeling,
     HfArgumentParser,
     PreTrainedTokenizerFast,
+    Trainer,
     TrainingArguments,
 )
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError
 from hf_hybrid_ep.config import HybridEPConfigError, read_yaml_mapping
-from hf_hybrid_ep.integrations import HybridEPTrainer
+from hf_hybrid_ep.integrations import HybridEP
 from hf_hybrid_ep.integrations.plugin import (
     HybridEPPlugin,
     check_optimizer_block,
@@ -286,7 +287,7 @@ def main(argv: list[str]) -> None:
                                   f"{data_args.block_size}: give more text or a smaller --block_size")
 
     model = build_model(model_args, plugin, training_args.seed, lora)
-    trainer = HybridEPTrainer(
+    trainer = HybridEP(Trainer)(
         model=model,
         args=training_args,
         train_dataset=train,

@@ -183,8 +183,9 @@ def crash_every_point(name: str, target: Path, before: Callable[[], None], actio
 def main(work: Path) -> dict:
     from tiny_models import build_tiny_model
     from trainer_cases import arguments, dataset
+    from transformers import Trainer
 
-    from hf_hybrid_ep.integrations.trainer import HybridEPTrainer
+    from hf_hybrid_ep.integrations.trainer import HybridEP
 
     _instrument_trainer_writes()
     report: dict = {}
@@ -194,7 +195,7 @@ def main(work: Path) -> dict:
     model = build_tiny_model("qwen3_moe", num_experts=4)
     source_use_cache = model.config.use_cache
     hep.parallelize(model, hep.HybridEPConfig())
-    trainer = HybridEPTrainer(model, arguments(str(work / "run"), 2, 2, save_steps=2), train_dataset=dataset(16))
+    trainer = HybridEP(Trainer)(model, arguments(str(work / "run"), 2, 2, save_steps=2), train_dataset=dataset(16))
     trainer.create_optimizer_and_scheduler(num_training_steps=2)
     trainer.state.global_step = 2
     run = work / "run"

@@ -106,7 +106,7 @@ def test_the_trainer_refuses_lora_on_the_experts_alone(pools, tmp_path):
 
 @pytest.mark.slow
 def test_trainer_trains_a_peft_model_and_resumes_at_another_ep_degree(pools, tmp_path):
-    # HybridEPTrainer on a parallelized PeftModel equals the stock Trainer on the same PeftModel in one process;
+    # HybridEP(Trainer) on a parallelized PeftModel equals the stock Trainer on the same PeftModel in one process;
     # its checkpoints hold only the adapters (PEFT's files) and their optimizer state, and resume at another EP
     # degree with the losses of the uninterrupted run.
     import trainer_cases as tc

@@ -113,15 +113,16 @@ def load_adapter_(model: nn.Module, layers: list[ShardedExperts], directory: str
             _put(model, name, value, device)
 
 
-def check_fresh_init(peft_config) -> None:
-    """Refuse an ``init_lora_weights`` that rank-local initialisation does not reproduce, naming it."""
+def check_fresh_init(peft_config, where: str = "from_pretrained(peft_config=...)") -> None:
+    """Refuse an ``init_lora_weights`` that rank-local initialisation does not reproduce, naming it and ``where``
+    the adapters were asked for."""
     init = getattr(peft_config, "init_lora_weights", True)
     if getattr(peft_config, "use_dora", False):
-        raise HybridEPConfigError("from_pretrained(peft_config=...) cannot initialise DoRA (it reads the base weights); "
+        raise HybridEPConfigError(f"{where} cannot initialise DoRA (it reads the base weights); "
                                   "apply get_peft_model to a model in memory and parallelize it")
     if init not in FRESH_INITS:
         raise HybridEPConfigError(
-            f"from_pretrained(peft_config=...) initialises adapters with init_lora_weights in {FRESH_INITS}, not "
+            f"{where} initialises adapters with init_lora_weights in {FRESH_INITS}, not "
             f"{init!r}; apply get_peft_model to a model in memory and parallelize it, or pass adapter=PATH")
 
 

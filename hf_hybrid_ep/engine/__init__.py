@@ -9,12 +9,16 @@ from .gradients import clip_grad_norm_, no_sync
 from .model_io import full_state_dict
 from .optimizers import make_optimizer, shard_optimizer, wait_for_parameters
 from .replicas import verify_model_replicas
+from .routing_replay import RoutingRecord, record_routing, replay_routing
 from .setup import parallelize
 from .state import state_of
 from .stats import comm_stats, layer_counters, reset_comm_stats
 from .step import after_optimizer_step
 
 __all__ = [
+    "RoutingRecord",
+    "record_routing",
+    "replay_routing",
     "ExpertFreezer",
     "after_optimizer_step",
     "clip_grad_norm_",

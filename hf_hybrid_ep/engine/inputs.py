@@ -10,6 +10,7 @@ see but identical losses. :func:`check_distinct_inputs` compares a digest of eve
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,12 @@ from .state import state_of
 INPUT_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "labels")
 
 
-def batch_digest(inputs: dict) -> str | None:
-    """sha256 of a batch's first tensor among :data:`INPUT_KEYS` (its bytes and shape), ``None`` without one."""
+def batch_digest(inputs: Mapping | list) -> str | None:
+    """sha256 of a batch's first tensor among :data:`INPUT_KEYS` (its bytes and shape), ``None`` without one or for
+    a batch of raw examples (a list: TRL's GRPO trainer receives prompts that it repeats across ranks on purpose,
+    each rank sampling its own completions)."""
+    if not isinstance(inputs, Mapping):
+        return None
     tensor = next((inputs[k] for k in INPUT_KEYS if torch.is_tensor(inputs.get(k))), None)
     if tensor is None:
         return None

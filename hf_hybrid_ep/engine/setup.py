@@ -21,8 +21,8 @@ from ..config import HybridEPConfig
 from ..dispatch import PlacementTable, choose_backend, resolve_backend
 from ..dispatch.table import layer_tables
 from ..errors import HybridEPConfigError
-from ..moe.aux_losses import add_aux_losses
-from ..moe.discovery import check_shardable, find_shared_expert, unwrapped_name
+from ..moe.aux_losses import ModelAuxLoss, add_aux_losses
+from ..moe.discovery import check_shardable, find_experts_modules, find_shared_expert, unwrapped_name
 from ..moe.holdings import expert_holdings
 from ..moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
 from ..moe.load import attach_load_accounting
@@ -49,7 +49,7 @@ from .failures import agree_on_failure
 from .model_io import wrap_generate, wrap_save_pretrained
 from .nonfinite import watch_optimizers
 from .optimizers import wait_for_parameters
-from .state import HybridEPState, attach, is_parallelized, state_of
+from .state import HybridEPState, attach, carries_state, is_parallelized, state_of
 from .step import after_forward, before_forward
 
 logger = logging.getLogger("hf_hybrid_ep")
@@ -112,7 +112,7 @@ def parallelize(
     if materialize is not None:
         agree_on_failure(mesh, materialize, model, layers)
     place_module(model, device)  # after sharding: only this rank's experts reach the device
-    _apply_router_controls(model=model, config=config, layers=layers)
+    _apply_router_controls(model=model, config=config, layers=layers, mesh=mesh)
     if config.dense_sharding == "fsdp":
         _fully_shard_dense(model, layers, mesh)
     reducer = _apply_gradient_reduction(model=model, config=config, layers=layers, mesh=mesh)
@@ -156,7 +156,8 @@ def _check_adapters(*, model: nn.Module, config: HybridEPConfig, found: list[tup
 def _unloaded(peft_model: nn.Module, model: nn.Module) -> None:
     """PEFT unloaded its wrappers (``merge_and_unload`` / ``unload``) and returned ``model``: the hybrid-EP state
     moves to it — layer names without PEFT's, experts computed without adapters, a reducer of its parameters —
-    and it saves and generates like a parallelized model."""
+    and it saves and generates like a parallelized model (it already did if it was parallelized before PEFT
+    wrapped it)."""
     state = state_of(peft_model)
     for layer in state.layers:
         layer.name = unwrapped_name(layer.name)
@@ -164,10 +165,46 @@ def _unloaded(peft_model: nn.Module, model: nn.Module) -> None:
         detach_expert_adapters(layer)
     reducer = _apply_gradient_reduction(model=model, config=state.config, layers=state.layers, mesh=state.mesh)
     backward = BackwardSequence(reducer, state.agreement, state.shadows)
-    attach(model, dataclasses.replace(state, reducer=reducer, backward=backward))
-    _apply_hooks(model=model)
-    wrap_save_pretrained(model)
-    wrap_generate(model)
+    parallelized_before = is_parallelized(model)
+    attach(model, dataclasses.replace(state, reducer=reducer, backward=backward), replace=parallelized_before)
+    if not parallelized_before:
+        _apply_hooks(model=model)
+        wrap_save_pretrained(model)
+        wrap_generate(model)
+
+
+def parallelize_peft_model(peft_model: nn.Module) -> nn.Module:
+    """Take over a ``PeftModel`` that PEFT made around an already parallelized model (``get_peft_model`` after
+    :func:`parallelize`, as TRL's trainers do when given ``peft_config``), and return it.
+
+    PEFT drew each expert adapter over this rank's slots (the experts module holds only those): the factors are
+    held slot-major and computed with their experts, the gradient reducer is rebuilt for the adapters (PEFT froze
+    the base weights), and the PeftModel carries the engine's state — it saves PEFT's adapter directory
+    collectively and hands the state back on ``merge_and_unload``. The factors keep PEFT's values, which depend on
+    the layout; :func:`hf_hybrid_ep.checkpoint.adapters.init_adapters_` draws fresh ones that do not. Collective.
+
+    Raises:
+        HybridEPConfigError: as :func:`parallelize` does for adapters the engine cannot train.
+    """
+    base = peft_model.get_base_model()
+    state = state_of(base)
+    if carries_state(peft_model):
+        raise HybridEPConfigError(f"{type(peft_model).__name__} is already parallelized")
+    found = find_experts_modules(peft_model)
+    adapters = _check_adapters(model=peft_model, config=state.config, found=found)
+    peft_name = {unwrapped_name(name): name for name, _ in found}
+    for layer in state.layers:
+        layer.name = peft_name[unwrapped_name(layer.name)]
+        layer.layer_names = {i: peft_name.get(unwrapped_name(n), n) for i, n in layer.layer_names.items()}
+        if layer.name in adapters:
+            attach_expert_adapters(layer, adapters[layer.name], over_slots=True)
+    reducer = _apply_gradient_reduction(model=peft_model, config=state.config, layers=state.layers, mesh=state.mesh)
+    taken_over = dataclasses.replace(state, reducer=reducer, backward=BackwardSequence(reducer, state.agreement,
+                                                                                      state.shadows))
+    attach(base, taken_over, replace=True)  # its hooks run every forward of the PeftModel
+    attach(peft_model, taken_over)
+    wrap_adapter_methods(peft_model, _unloaded)
+    return peft_model
 
 
 def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
@@ -240,12 +277,28 @@ def _apply_expert_sharding(*, model: nn.Module, config: HybridEPConfig, found: l
     return layers, agreement
 
 
-def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts]) -> None:
-    """Router temperature, bias updates, device-load factors; load accounting; aux and z losses."""
+def _apply_router_controls(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts],
+                           mesh: HybridMesh) -> None:
+    """Router temperature, bias updates, device-load factors; load accounting; aux and z losses (the model's own
+    too, over the global batch, with ``aux_loss_scope="global"``)."""
     install_router_controls(model, layers, config)
     attach_load_accounting(model, layers, bool(config.coactivation_stats))
-    if config.aux_loss_coef or config.z_loss_coef:
-        add_aux_losses(model, layers, config)
+    model_aux = _model_aux_loss(model, layers) if config.aux_loss_scope == "global" else None
+    if config.aux_loss_coef or config.z_loss_coef or model_aux is not None:
+        group = mesh.world_group if config.aux_loss_scope == "global" else None
+        add_aux_losses(model, layers, config, model_aux, group, mesh.world_size)
+
+
+def _model_aux_loss(model: nn.Module, layers: list[ShardedExperts]) -> ModelAuxLoss | None:
+    """The model's own load-balancing loss, for a model whose config can ask for it (``output_router_logits``)."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if config is not None else None
+    if text is None or not hasattr(text, "output_router_logits") or not layers:
+        return None
+    top_k = getattr(text, "num_experts_per_tok", None) or max(layer.load.top_k for layer in layers)
+    coef = lambda: getattr(base, "router_aux_loss_coef", getattr(text, "router_aux_loss_coef", 0.0))  # noqa: E731
+    return ModelAuxLoss(layers[0].num_experts, int(top_k), coef)
 
 
 def _apply_gradient_reduction(*, model: nn.Module, config: HybridEPConfig, layers: list[ShardedExperts],

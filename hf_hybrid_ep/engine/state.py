@@ -61,13 +61,13 @@ class HybridEPState:
         return [n for n, p in model.named_parameters() if id(p) in ids]
 
 
-def attach(model: nn.Module, state: HybridEPState) -> None:
-    """Attach ``state`` to ``model``.
+def attach(model: nn.Module, state: HybridEPState, replace: bool = False) -> None:
+    """Attach ``state`` to ``model`` (``replace``: in place of the state it carries).
 
     Raises:
-        HybridEPConfigError: when the model already carries hybrid-EP state.
+        HybridEPConfigError: when the model already carries hybrid-EP state and ``replace`` is false.
     """
-    if is_parallelized(model):
+    if carries_state(model) and not replace:
         raise HybridEPConfigError(f"{type(model).__name__} is already parallelized")
     setattr(model, _ATTRIBUTE, state)
 
@@ -75,6 +75,12 @@ def attach(model: nn.Module, state: HybridEPState) -> None:
 def is_parallelized(model: nn.Module) -> bool:
     """Whether :func:`hf_hybrid_ep.parallelize` prepared ``model``."""
     return getattr(model, _ATTRIBUTE, None) is not None
+
+
+def carries_state(model: nn.Module) -> bool:
+    """Whether ``model`` itself carries hybrid-EP state (not a module it forwards attribute look-ups to, as a
+    ``PeftModel`` does to the model it wraps)."""
+    return vars(model).get(_ATTRIBUTE) is not None
 
 
 def state_of(model: nn.Module) -> HybridEPState:

@@ -1,8 +1,8 @@
-"""Integrations with the Hugging Face training stack (Accelerate, Trainer)."""
+"""Integrations with the Hugging Face training stack (Accelerate, the Trainer and its subclasses, TRL)."""
 
 from ..checkpoint.save import save_hybrid_checkpoint
 from .accelerator import load_state, prepare_accelerator, save_state
 from .plugin import HybridEPPlugin
-from .trainer import HybridEPTrainer
+from .trainer import HybridEP
 
-__all__ = ["HybridEPPlugin", "HybridEPTrainer", "load_state", "prepare_accelerator", "save_hybrid_checkpoint", "save_state"]
+__all__ = ["HybridEP", "HybridEPPlugin", "load_state", "prepare_accelerator", "save_hybrid_checkpoint", "save_state"]

@@ -1,6 +1,7 @@
-"""The stock ``transformers.Trainer`` loop on a hybrid-EP model.
+"""The ``transformers.Trainer`` loop — or any subclass's, TRL's trainers included — on a hybrid-EP model.
 
-:class:`HybridEPTrainer` changes only what hybrid EP needs; the training loop is transformers' own:
+:func:`HybridEP` makes a trainer class that changes only what hybrid EP needs; the training loop is the trainer
+class's own:
 
 * Accelerate wraps the model in torch DDP, which reduces the dense gradients; the experts are on
   DDP's ignore list and the engine reduces them over their EDP groups, only on steps where
@@ -27,6 +28,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -50,6 +53,7 @@ from ..engine.inputs import check_distinct_inputs
 from ..engine.nonfinite import record_norm
 from ..engine.optimizers import reshard_optimizer
 from ..engine.replicas import verify_model_replicas
+from ..engine.routing_replay import ReplayStats
 from ..engine.state import state_of
 from ..engine.step import after_optimizer_step
 from ..errors import HybridEPConfigError
@@ -61,6 +65,7 @@ from ..parallel.amp import agree_found_inf_
 from .accelerator import prepare_accelerator
 from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
 from .resume import resolve_resume
+from .trl import GRPORoutingReplay, check_construction, is_grpo, take_over
 
 logger = logging.getLogger("hf_hybrid_ep")
 
@@ -92,7 +97,7 @@ def _no_pinned_memory_without_cuda(training_args) -> None:
 class _HybridEPCallback(TrainerCallback):
     """fp16 overflow agreement before every optimizer step; the replica check every N steps."""
 
-    def __init__(self, trainer: HybridEPTrainer, verify_sync_steps: int) -> None:
+    def __init__(self, trainer: Trainer, verify_sync_steps: int) -> None:
         self.trainer = trainer
         self.verify_sync_steps = verify_sync_steps
 
@@ -112,8 +117,16 @@ class _HybridEPCallback(TrainerCallback):
             verify_model_replicas(self.trainer.hybrid_model)
 
 
-class HybridEPTrainer(Trainer):
-    """``transformers.Trainer`` for a model prepared with :func:`hf_hybrid_ep.parallelize`.
+@functools.cache
+def HybridEP(trainer_class: type[Trainer]) -> type[Trainer]:  # noqa: N802 - a class factory, named like the class it makes
+    """``trainer_class`` (``transformers.Trainer`` or any subclass: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer``, ...) for a model prepared with :func:`hf_hybrid_ep.parallelize`.
+
+    The class made keeps everything ``trainer_class`` does — its loss, metrics, data handling, its own overrides of
+    Trainer methods — and adds hybrid EP's: the experts on DDP's ignore list and reduced by the engine, clipping
+    and the logged norm over the global gradient, expert-sharded checkpoints that resume at any EP degree, the
+    expert-load metrics. Its methods sit below ``trainer_class``'s in the method resolution order, so an override
+    of ``trainer_class`` reaches them through ``super()``. Constructed with ``trainer_class``'s arguments and:
 
     Args:
         verify_sync_steps: every this many optimizer steps, check that every replicated tensor is
@@ -123,13 +136,39 @@ class HybridEPTrainer(Trainer):
         eval_ep_degree: run ``evaluate()`` with the experts laid out at this smaller EP degree (more experts per
             rank: pair it with a larger ``per_device_eval_batch_size``), training continuing at the full degree
             afterwards (:func:`hf_hybrid_ep.eval_layout`; memory checked first). ``None``: the training layout.
+        routing_replay: (TRL's ``GRPOTrainer``) route each training forward to the experts its completions were
+            generated with (:class:`hf_hybrid_ep.integrations.trl.GRPORoutingReplay`).
+
+    A trainer that wraps the model with PEFT itself (TRL's, given ``peft_config``) gets its adapters taken over
+    (:func:`hf_hybrid_ep.integrations.trl.take_over`); what TRL does that the engine cannot follow is refused.
+    The same class is returned for the same ``trainer_class``.
     """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"HybridEP takes transformers.Trainer or a subclass of it, not {trainer_class!r}")
+    if issubclass(trainer_class, _EngineMethods):
+        raise TypeError(f"{trainer_class.__name__} is already a hybrid-EP trainer")
+    bases = (_Construction, _EngineMethods) if trainer_class is Trainer else (_Construction, trainer_class, _EngineMethods)
+    if is_grpo(trainer_class):
+        bases = (_Construction, GRPORoutingReplay, trainer_class, _EngineMethods)
+    name = f"HybridEP{trainer_class.__name__}"
+    return type(name, bases, {"__module__": __name__, "__qualname__": name, "__doc__": HybridEP.__doc__})
+
+
+class _Construction:
+    """A hybrid-EP trainer's ``__init__``: the engine's arguments taken out, the model checked before the trainer
+    touches it, and after the trainer's own construction the take-over, the callback and DDP's ignore list."""
 
     def __init__(
         self, model: nn.Module, *args, verify_sync_steps: int = 0, freeze_experts=None, freeze_from_step: int = 0,
-        eval_ep_degree: int | None = None, **kwargs,
+        eval_ep_degree: int | None = None, routing_replay: bool = False, **kwargs,
     ) -> None:
         state_of(model)  # refuse a model that was not parallelized, before the Trainer touches it
+        if routing_replay and not is_grpo(type(self)):
+            raise HybridEPConfigError(f"routing_replay=True replays the routing of generated completions: "
+                                      f"{type(self).__name__} is not a GRPOTrainer")
+        self.routing_replay, self.routing_replay_stats = routing_replay, ReplayStats()
+        named = inspect.signature(super().__init__).bind_partial(model, *args, **kwargs).arguments
+        check_construction(type(self), model, named)
         # the Trainer sets config.use_cache from its args (False); checkpoints keep the source's
         self._inference_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         self._staging: tuple[Path, str] | None = None
@@ -137,10 +176,15 @@ class HybridEPTrainer(Trainer):
         self._inputs_checked = False
         self.eval_ep_degree = eval_ep_degree
         self.freezer: ExpertFreezer | None = None
-        _no_pinned_memory_without_cuda(args[0] if args else kwargs.get("args"))
         super().__init__(model, *args, **kwargs)
+        _no_pinned_memory_without_cuda(self.args)
+        take_over(self)
         self.add_callback(_HybridEPCallback(self, verify_sync_steps))
-        prepare_accelerator(self.accelerator, model)
+        prepare_accelerator(self.accelerator, self.model)
+
+
+class _EngineMethods(Trainer):
+    """The Trainer methods hybrid EP replaces (:func:`HybridEP` places them under the trainer class's own)."""
 
     def create_optimizer(self, *args, **kwargs):
         """The Trainer's optimizer; ZeRO-1-sharded when the config says ``optimizer_sharding="zero1"``."""
@@ -167,7 +211,7 @@ class HybridEPTrainer(Trainer):
                                                 main_process=self.args.should_save)
         config = state_of(self.hybrid_model).config
         watchdog.start(config.collective_timeout_s or self.args.ddp_timeout)
-        with watchdog.region("HybridEPTrainer.train (DDP's all-reduce and buffer broadcast, Accelerate's gathers)"):
+        with watchdog.region(f"{type(self).__name__}.train (DDP's all-reduce and buffer broadcast, Accelerate's gathers)"):
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = log_memory_report(self.hybrid_model, self.optimizer)
         self.memory_report = report
@@ -202,6 +246,10 @@ class HybridEPTrainer(Trainer):
             logs.update(summary_scalars(report))
             if rebalances:
                 logs["moe/rebalances"] = float(sum(e["moved"] for e in rebalances))
+            replay = self.routing_replay_stats
+            if replay.replayed:  # this rank's, since the last log
+                logs["moe/replay_changed_fraction"] = replay.changed / replay.replayed
+                replay.replayed = replay.changed = 0
             if report and self.args.should_save:
                 os.makedirs(self.args.output_dir, exist_ok=True)
                 append_jsonl(os.path.join(self.args.output_dir, JSONL_NAME), self.state.global_step, report,

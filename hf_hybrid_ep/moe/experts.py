@@ -118,6 +118,10 @@ class ExpertCompute:
     def adapter_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.adapter_factors()]
 
+    def added_after(self) -> list[str]:
+        """Adapters added to the module's wrappers after it was sharded, which it cannot compute (none here)."""
+        return []
+
     def local(self, rows: torch.Tensor, slots: torch.Tensor, params: dict[str, nn.Parameter]) -> torch.Tensor:
         """``[n, H]``: the module's own experts implementation on ``rows`` routed to ``slots`` of ``params`` (local
         copies of other ranks' experts, in place of the module's parameters for this call), unit weights."""

@@ -171,6 +171,10 @@ class LoRAExpertCompute(ExpertCompute):
                 out += [("A", wrapper.lora_A[adapter].weight), ("B", wrapper.lora_B[adapter].weight)]
         return out
 
+    def added_after(self) -> list[str]:
+        """Adapters PEFT added to the wrappers after parallelize (their factors are not slot-major)."""
+        return sorted({a for w in self.wrappers.values() for a in w.lora_A if w.lora_A[a].weight.dim() != 3})
+
     def linear(self, x: torch.Tensor, projection: str, offsets: torch.Tensor, expert_of_row: torch.Tensor | None,
                compute: torch.dtype | None) -> torch.Tensor:
         from transformers.integrations.moe import _grouped_linear
@@ -205,10 +209,15 @@ def _aligned_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     return a, b
 
 
-def attach_expert_adapters(layer: ShardedExperts, wrappers: dict[str, nn.Module]) -> None:
+def attach_expert_adapters(layer: ShardedExperts, wrappers: dict[str, nn.Module], over_slots: bool = False) -> None:
     """Train PEFT's adapters of ``layer``'s experts (already sharded) under hybrid EP: their factors sharded
-    to the layer's slots (:func:`shard_expert_adapters`), computed by :class:`LoRAExpertCompute`."""
-    shard_expert_adapters(layer.module, wrappers, list(layer.local_experts), layer.num_experts)
+    to the layer's slots (:func:`shard_expert_adapters`), computed by :class:`LoRAExpertCompute`. PEFT's factors
+    are over all experts, or (``over_slots``: PEFT wrapped the sharded module) over this rank's slots."""
+    slots = len(layer.local_experts)
+    if over_slots:
+        shard_expert_adapters(layer.module, wrappers, list(range(slots)), slots)
+    else:
+        shard_expert_adapters(layer.module, wrappers, list(layer.local_experts), layer.num_experts)
     current = layer.experts
     layer.use_compute(LoRAExpertCompute(layer.module, wrappers, alignment=current.alignment, fused=current.fused))
 

@@ -18,6 +18,7 @@ module-level function of one of these modules:
 - :mod:`dist_cases.failures`: misbehaving ranks and impossible layouts, reported on every rank.
 - :mod:`dist_cases.integrations`: the stock Trainer and Accelerate loops.
 - :mod:`dist_cases.lora`: PEFT adapters on dense modules and sharded experts against PEFT in one process.
+- :mod:`dist_cases.trl`: TRL's SFT, DPO and GRPO trainers against the same trainer in one process.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .failures import (
     replica_check,
     save_refuses_nonfinite,
 )
-from .inference import forward_parity, generate_uneven
+from .inference import forward_parity, generate_uneven, routing_replay
 from .integrations import (
     accelerate_loop,
     distinct_inputs,
@@ -87,10 +88,12 @@ from .training import (
     bucket_launch_order,
     ctr_parity,
     ddp_composition,
+    engine_aux_global,
     inf_norm,
     one_hot_expert_training,
     train_parity,
 )
+from .trl import grpo_compare, grpo_generate, grpo_routing_replay, trl_parity, trl_resume
 
 __all__ = [
     # constants and the comparison helper tests use directly
@@ -124,6 +127,7 @@ __all__ = [
     # inference
     "forward_parity",
     "generate_uneven",
+    "routing_replay",
     # integrations
     "accelerate_loop",
     "distinct_inputs",
@@ -159,7 +163,14 @@ __all__ = [
     "bucket_launch_order",
     "ctr_parity",
     "ddp_composition",
+    "engine_aux_global",
     "inf_norm",
     "one_hot_expert_training",
     "train_parity",
+    # trl
+    "grpo_compare",
+    "grpo_generate",
+    "grpo_routing_replay",
+    "trl_parity",
+    "trl_resume",
 ]

@@ -7,6 +7,7 @@ numbers of tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -69,3 +70,58 @@ def generate_uneven(max_new_tokens_by_rank: list[int]) -> dict:
     got = model.generate(prompt, **kw)
     want = ref.generate(prompt, **kw)
     return {"equal": bool(torch.equal(got, want)), "length": got.shape[1]}
+
+
+def routing_replay(new_tokens_by_rank: list[int]) -> dict:
+    """Record the routing of a greedy generation under EP (ranks ask for different lengths, so the shorter keeps
+    stepping), then replay it in a training forward over the generated sequences: with the routers as they were,
+    the forward equals the plain one; with the routers moved (as by an optimizer step), the recorded experts are
+    used where the router alone would choose others, and the router still gets a gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(ep_degree=world))
+    model.eval()
+    prompt = _rank_slice(_global_inputs(model, world, seed=9), rank)["input_ids"][:, :4]
+    n = new_tokens_by_rank[rank]
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    with hep.record_routing(model) as routing:
+        sequences = model.generate(prompt, **kw)
+    model.train()
+    routers = [layer.load.router for layer in hep.state_of(model).layers]
+    plain = model(input_ids=sequences).logits
+    with hep.replay_routing(model, routing):
+        same = model(input_ids=sequences).logits
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for router in routers:
+            router.weight.add_(torch.randn(router.weight.shape, generator=g) * router.weight.std())
+    free = _choices(model, routers, sequences)
+    chosen = _choices(model, routers, sequences, routing)
+    replayed = chosen.pop("logits")
+    replayed.float().pow(2).mean().backward()
+    free.pop("logits")
+    layers = [layer.name for layer in hep.state_of(model).layers]
+    recorded = {name: routing.choices(name) for name in layers}
+    covered = {name: min(recorded[name].shape[1], sequences.shape[1]) for name in layers}
+    return {
+        "identity_rel": _rel(same, plain),
+        "recorded_positions": recorded[layers[0]].shape[1], "sequence_length": sequences.shape[1],
+        "replayed_equal": all(torch.equal(chosen[i][:, :covered[n]], recorded[n][:, :covered[n]])
+                              for i, n in enumerate(layers)),
+        "free_differs": sum(int((free[i][:, :covered[n]] != recorded[n][:, :covered[n]]).any(-1).sum())
+                            for i, n in enumerate(layers)),
+        "router_grads": all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers),
+    }
+
+
+def _choices(model, routers, sequences, routing=None) -> dict:
+    """The experts each router's output names (after any replay) per layer ``[B, S, k]``, and the logits."""
+    seen: dict = {}
+    context = hep.replay_routing(model, routing) if routing is not None else contextlib.nullcontext()
+    with context:
+        hooks = [r.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o[2])) for i, r in enumerate(routers)]
+        logits = model(input_ids=sequences).logits
+        for h in hooks:
+            h.remove()
+    rows, positions = sequences.shape
+    return {**{i: index.reshape(rows, positions, -1) for i, index in seen.items()}, "logits": logits}

@@ -25,14 +25,15 @@ def trainer_run(
 ) -> dict:
     """The stock Trainer loop on a hybrid-EP model (Accelerate wraps it in DDP on every rank)."""
     import trainer_cases as tc
+    from transformers import Trainer
 
-    from hf_hybrid_ep.integrations import HybridEPTrainer
+    from hf_hybrid_ep.integrations import HybridEP
 
     config = hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, optimizer_sharding=optimizer_sharding,
                                 rebalance_every=rebalance_every, rebalance_replicas=rebalance_replicas)
     model = hep.parallelize(tc.model(), config)
     args = tc.arguments(output_dir, 2, max_steps, save_steps, **extra_args)
-    trainer = HybridEPTrainer(
+    trainer = HybridEP(Trainer)(
         model=model, args=args, train_dataset=tc.dataset(), verify_sync_steps=verify_sync_steps
     )
     output = trainer.train(resume_from_checkpoint=resume_from)
@@ -52,12 +53,12 @@ def trainer_eval(dp: int, ep: int, output_dir: str, num: int, hybrid: bool = Tru
     import trainer_cases as tc
     from transformers import Trainer
 
-    from hf_hybrid_ep.integrations import HybridEPTrainer
+    from hf_hybrid_ep.integrations import HybridEP
 
     args = tc.arguments(output_dir, 2, 1, per_device_eval_batch_size=2)
     if hybrid:
         model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
-        trainer = HybridEPTrainer(model=model, args=args, eval_dataset=tc.dataset(num))
+        trainer = HybridEP(Trainer)(model=model, args=args, eval_dataset=tc.dataset(num))
     else:
         trainer = Trainer(model=tc.model(), args=args, eval_dataset=tc.dataset(num))
     return {"eval_loss": trainer.evaluate()["eval_loss"]}
@@ -70,8 +71,9 @@ def trainer_shadow_run(output_dir: str, shadow_experts: bool, max_steps: int = 4
     ``rebalance``, move experts after every step, before the shadows are decided)."""
     import trainer_cases as tc
     from datasets import Dataset
+    from transformers import Trainer
 
-    from hf_hybrid_ep.integrations import HybridEPTrainer
+    from hf_hybrid_ep.integrations import HybridEP
 
     torch.manual_seed(0)
     model = build_tiny_model("gpt_oss", num_experts=4)
@@ -84,7 +86,7 @@ def trainer_shadow_run(output_dir: str, shadow_experts: bool, max_steps: int = 4
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, 100, (64, 32), generator=g).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
-    trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
+    trainer = HybridEP(Trainer)(model=model, args=tc.arguments(output_dir, 2, max_steps), train_dataset=data)
     trainer.train()
     layers = hep.layer_counters(hep.comm_stats(model))
     rebalancer = hep.state_of(model).rebalancer
@@ -213,13 +215,14 @@ def trainer_eval_layout(output_dir: str, eval_ep_degree: int | None) -> dict:
     """The stock Trainer at dp 2 × ep 2 evaluating after each of 2 steps, at ``eval_ep_degree`` (``None``: the
     training layout): training and evaluation losses, and the layout after the run."""
     import trainer_cases as tc
+    from transformers import Trainer
 
-    from hf_hybrid_ep.integrations import HybridEPTrainer
+    from hf_hybrid_ep.integrations import HybridEP
 
     model = hep.parallelize(tc.model(), hep.HybridEPConfig(dp_degree=2, ep_degree=2))
     args = tc.arguments(output_dir, 2, 2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
-    trainer = HybridEPTrainer(model=model, args=args, train_dataset=tc.dataset(), eval_dataset=tc.dataset(16),
-                              eval_ep_degree=eval_ep_degree)
+    trainer = HybridEP(Trainer)(model=model, args=args, train_dataset=tc.dataset(), eval_dataset=tc.dataset(16),
+                                eval_ep_degree=eval_ep_degree)
     trainer.train()
     state = hep.state_of(model)
     return {"losses": tc.losses(trainer),

@@ -228,12 +228,13 @@ def trainer_lora_run(dp: int, ep: int, output_dir: str, max_steps: int = 6, save
     """The stock Trainer on a parallelized PeftModel (trainer_cases' model, LoRA on attention and experts)."""
     import trainer_cases as tc
     from peft import get_peft_model
+    from transformers import Trainer
 
-    from hf_hybrid_ep.integrations import HybridEPTrainer
+    from hf_hybrid_ep.integrations import HybridEP
 
     model = hep.parallelize(get_peft_model(tc.model(), lora_config(tc.MODEL_TYPE)),
                             hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
-    trainer = HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, max_steps, save_steps),
+    trainer = HybridEP(Trainer)(model=model, args=tc.arguments(output_dir, 2, max_steps, save_steps),
                               train_dataset=tc.dataset())
     trainer.train(resume_from_checkpoint=resume_from)
     state = {n.split("::")[0] for n in _optimizer_keys(output_dir, save_steps)} if save_steps else set()
@@ -269,13 +270,14 @@ def trainer_refuses_expert_only_lora(output_dir: str) -> dict:
     """The Trainer's DDP needs a trainable dense parameter: LoRA on the experts alone is refused, naming why."""
     import trainer_cases as tc
     from peft import get_peft_model
+    from transformers import Trainer
 
-    from hf_hybrid_ep.integrations import HybridEPTrainer
+    from hf_hybrid_ep.integrations import HybridEP
 
     model = hep.parallelize(get_peft_model(tc.model(), lora_config(tc.MODEL_TYPE, target_modules=[])),
                             hep.HybridEPConfig(ep_degree=2))
     try:
-        HybridEPTrainer(model=model, args=tc.arguments(output_dir, 2, 1), train_dataset=tc.dataset())
+        HybridEP(Trainer)(model=model, args=tc.arguments(output_dir, 2, 1), train_dataset=tc.dataset())
     except hep.HybridEPConfigError as err:
         return {"message": str(err)}
     return {"message": ""}

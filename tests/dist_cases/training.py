@@ -65,6 +65,7 @@ def train_parity(
     topology: str | None = None,
     overlap_degree: int = 1,
     plain_optimizer: bool = False,
+    router_aux: tuple[float, str] | None = None,
 ) -> dict:
     """AdamW steps with gradient accumulation and clipping, hybrid vs the single-process reference.
 
@@ -77,7 +78,9 @@ def train_parity(
     hybrid run (undone when the case returns), to show that the criterion catches it. With
     ``rebalance_every``, experts move online (``after_optimizer_step`` after every optimizer step); the tables
     before and after each rebalance are returned. ``plain_optimizer``: ``torch.optim.AdamW(model.parameters())``
-    built by hand instead of ``make_optimizer`` (rebalancing must find it).
+    built by hand instead of ``make_optimizer`` (rebalancing must find it). ``router_aux = (coef, scope)``: the
+    model's own router aux loss on in both (``output_router_logits``), formed by the hybrid model over the tokens
+    ``aux_loss_scope=scope`` says.
     """
     import faults
 
@@ -86,6 +89,8 @@ def train_parity(
     if skew is not None:
         _skew_routers(model, *skew)
         _skew_routers(ref, *skew)
+    for m in (model, ref) if router_aux is not None else ():
+        m.config.output_router_logits, m.router_aux_loss_coef = True, router_aux[0]
     initial = copy.deepcopy(ref)
     measured_names = parity.zero_initialised(initial)
     if dispatcher == "triton":
@@ -96,7 +101,8 @@ def train_parity(
                                 dense_sharding=dense_sharding, bucket_size_mb=bucket_size_mb,
                                 overlap_grad_reduce=overlap_grad_reduce, rebalance_every=rebalance_every,
                                 rebalance_replicas=rebalance_replicas, rebalance_when_imbalance_over=rebalance_over,
-                                topology=topology, overlap_degree=overlap_degree)
+                                topology=topology, overlap_degree=overlap_degree,
+                                aux_loss_scope=router_aux[1] if router_aux else "local")
     model = _hybrid_model(model, ref, config, load_from)
     if gradient_checkpointing:  # recomputes the EP forward (and its collectives) inside backward
         model.activation_checkpointing_enable()
@@ -432,3 +438,42 @@ def autocast_parity(model_type: str, ep: int, num_experts: int, overlap_degree: 
         "loss": (_rel(mean_loss / world, ref_loss.detach()), _rel(bf16_loss.detach().float(), ref_loss.detach())),
         "tensors": tensors,
     }
+
+
+def engine_aux_global(dp: int, ep: int) -> dict:
+    """The engine's own router losses (``aux_loss_coef`` / ``z_loss_coef``) with ``aux_loss_scope="global"``: their
+    value on this rank and the routers' world-averaged gradient, against the Switch and z losses written out over
+    the global batch in one process (the unsharded reference's router outputs)."""
+    from hf_hybrid_ep.moe.router_rules import find_router
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    plain = copy.deepcopy(model)
+    coef, z_coef = 0.1, 0.01  # large enough that the language-model loss's round-off does not mask them
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, aux_loss_scope="global",
+                                              aux_loss_coef=coef, z_loss_coef=z_coef))
+    hep.parallelize(plain, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
+    batch = _global_inputs(ref, world, seed=7)
+    routers = {id(m): [layer.load.router for layer in hep.state_of(m).layers] for m in (model, plain)}
+    routers[id(ref)] = [find_router(ref, n, e.num_experts)[1] for n, e in hep.find_experts_modules(ref)]
+    outs: list = []
+    hooks = [r.register_forward_hook(lambda m, a, o: outs.append(o)) for r in routers[id(ref)]]
+    ref(**batch)
+    for h in hooks:
+        h.remove()
+    want = 0.0
+    for logits, _, index in outs:
+        tokens_per_expert = torch.bincount(index.reshape(-1), minlength=4).float()
+        want = want + coef * 4 * (tokens_per_expert / index.numel() * torch.softmax(logits.float(), -1).mean(0)).sum()
+        want = want + z_coef * torch.logsumexp(logits.float(), -1).pow(2).mean()
+    want.backward()
+    losses = [m(**_rank_slice(batch, rank)).loss for m in (model, plain)]
+    for loss in losses:  # the same language-model loss: the difference is the router losses' gradient
+        loss.backward()
+    grad_rels = []
+    for mine, base, r in zip(routers[id(model)], routers[id(plain)], routers[id(ref)], strict=True):
+        grad = mine.weight.grad - base.weight.grad
+        dist.all_reduce(grad)  # DDP's mean
+        grad_rels.append(_rel(grad / world, r.weight.grad))
+    value = (losses[0] - losses[1]).item()
+    return {"value_rel": abs(value - want.item()) / want.item(), "grad_rel": max(grad_rels)}
