@@ -42,9 +42,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     reducer = state_of(model).reducer
     total = reducer.global_grad_norm(norm_type)
     record_norm(model, total)
-    if not torch.isfinite(total):
-        return total
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # no host read here: a non-finite norm scales by 1 (the gradients stay as they are; the step is skipped)
+    coef = torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + 1e-6), max=1.0), torch.ones_like(total))
     for g in reducer.clip_targets():
         g.mul_(coef.to(g.device, g.dtype))
     return total

@@ -91,8 +91,9 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 
 def record_norm(model: nn.Module, norm: torch.Tensor | float) -> None:
-    """The global gradient norm of the current gradients (clipping and the Trainer's log compute it)."""
-    state_of(model).skipped.norm = float(norm)
+    """The global gradient norm of the current gradients (clipping and the Trainer's log compute it); kept as
+    given, read on the host once, when the optimizer step is decided."""
+    state_of(model).skipped.norm = norm
 
 
 def new_gradients(model: nn.Module) -> None:
@@ -115,7 +116,7 @@ def step_allowed(model: nn.Module) -> bool:
     if skipped.allowed is None:
         if skipped.norm is None:
             return True
-        norm = skipped.norm
+        norm = float(skipped.norm)
         skipped.allowed = math.isfinite(norm)
         if skipped.allowed:
             skipped.consecutive = 0
@@ -138,10 +139,10 @@ def _skip(model: nn.Module, state: HybridEPState, norm: float) -> None:
             f"{message}; {skipped.consecutive} optimizer steps in a row were skipped, so the run stops "
             f"(max_consecutive_skips={config.max_consecutive_skips}): lower the learning rate or warm it up, clip "
             "gradients, check the data, or resume from an earlier checkpoint")
-    skipped.last = (f"{message}; the step was skipped on every rank ({skipped.total} skipped in this run, "
-                    f"{skipped.consecutive} in a row; the run stops after {config.max_consecutive_skips})")
+    logged = (f"{message}; the step was skipped on every rank ({skipped.total} skipped in this run, "
+              f"{skipped.consecutive} in a row; the run stops after {config.max_consecutive_skips})")
     if state.mesh.rank == 0:
-        logger.warning(skipped.last)
+        logger.warning(logged)
 
 
 def nonfinite_layers(model: nn.Module, shown: int = 8) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from ..errors import HybridEPConfigError
@@ -34,9 +35,8 @@ class SkippedSteps:
 
     total: int = 0
     consecutive: int = 0
-    norm: float | None = None  # the global norm of the current gradients, once computed (clipping, logging)
+    norm: torch.Tensor | float | None = None  # the global norm of the current gradients, once computed
     allowed: bool | None = None  # this step's decision, once taken (shared by every optimizer of the model)
-    last: str = ""  # the last skip's message
 
 
 @dataclass

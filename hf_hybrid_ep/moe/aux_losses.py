@@ -102,7 +102,7 @@ class LayerAuxLoss:
         counts.scatter_add_(0, index.reshape(-1), torch.ones(index.numel(), device=logits.device))
         z = torch.logsumexp(logits, dim=-1).pow(2).sum() if self.config.z_loss_coef else logits.new_zeros(())
         probs = F.softmax(logits, dim=-1).sum(0) if self.config.aux_loss_coef else logits.new_zeros(self.num_experts)
-        tokens = torch.tensor(float(index.shape[0]), device=logits.device)
+        tokens = logits.new_full((), float(index.shape[0]))
         self.pending.append(RouterStats(counts, probs, tokens, z))
         self.k = index.shape[-1]
 
