@@ -74,10 +74,10 @@ class RoutingRecord:
 @dataclass
 class ReplayStats:
     """What a replay did: token choices (position × layer) routed to recorded experts, and how many of those the
-    router alone would have sent elsewhere."""
+    router alone would have sent elsewhere (a 0-d device tensor once counted: no host sync per layer)."""
 
     replayed: int = 0
-    changed: int = 0
+    changed: int | torch.Tensor = 0
 
 
 def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -126,9 +126,11 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
 
 
 @contextlib.contextmanager
-def replay_routing(model: nn.Module, record: RoutingRecord, sequential: bool = False) -> Iterator[ReplayStats]:
+def replay_routing(model: nn.Module, record: RoutingRecord, sequential: bool = False,
+                   stats: ReplayStats | None = None) -> Iterator[ReplayStats]:
     """During the block's forwards of ``model``, route every position ``record`` covers to its recorded experts,
-    with the router's weights at those experts; yields the :class:`ReplayStats` of the block. Every forward covers
+    with the router's weights at those experts; yields the :class:`ReplayStats` the block counts into (``stats``,
+    or fresh ones). Every forward covers
     all the record's rows, or (``sequential``) the next rows of the record in order (a batch scored in chunks).
 
     Raises:
@@ -136,7 +138,7 @@ def replay_routing(model: nn.Module, record: RoutingRecord, sequential: bool = F
             rows the record does not have.
     """
     temperature = state_of(model).config.router_temperature
-    stats = ReplayStats()
+    stats = ReplayStats() if stats is None else stats
     hooks = []
     for name, router in _routers(model):
         rule = match_rule(router, int(router.top_k), router.weight.shape[1])
@@ -173,7 +175,7 @@ def _replay_hook(name: str, rule, recorded: torch.Tensor, temperature: float | N
             covered = min(positions, recorded.shape[1])
             replayed = recorded[first : first + rows, :covered].to(index.device)
             stats.replayed += rows * covered
-            stats.changed += int((index[:, :covered].sort(-1)[0] != replayed.sort(-1)[0]).any(-1).sum())
+            stats.changed = stats.changed + (index[:, :covered].sort(-1)[0] != replayed.sort(-1)[0]).any(-1).sum()
             index[:, :covered] = replayed
             index = index.reshape(rows * positions, -1)
             scaled = logits if temperature is None else logits / temperature

@@ -248,7 +248,7 @@ class _EngineMethods(Trainer):
                 logs["moe/rebalances"] = float(sum(e["moved"] for e in rebalances))
             replay = self.routing_replay_stats
             if replay.replayed:  # this rank's, since the last log
-                logs["moe/replay_changed_fraction"] = replay.changed / replay.replayed
+                logs["moe/replay_changed_fraction"] = float(replay.changed) / replay.replayed
                 replay.replayed = replay.changed = 0
             if report and self.args.should_save:
                 os.makedirs(self.args.output_dir, exist_ok=True)

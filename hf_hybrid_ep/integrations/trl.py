@@ -58,8 +58,6 @@ class GRPORoutingReplay:
     dict under :data:`ROUTING_KEY`, so TRL's shuffling and splitting keep them with their rows; the logs carry
     ``moe/replay_changed_fraction``: the share of replayed token choices the router would have made otherwise."""
 
-    routing_replay = False
-
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         if not (self.routing_replay and self.model.training):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
@@ -82,21 +80,16 @@ class GRPORoutingReplay:
         record = self.__dict__.get("_routing_record")
         if record is None:
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
-        with replay_routing(self.hybrid_model, record, sequential=True) as stats:
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
-        self.routing_replay_stats.replayed += stats.replayed
-        self.routing_replay_stats.changed += stats.changed
-        return out
+        with replay_routing(self.hybrid_model, record, sequential=True, stats=self.routing_replay_stats):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     def _compute_loss(self, model, inputs):
         rows = inputs.get(ROUTING_KEY)
         if rows is None:
             return super()._compute_loss(model, inputs)
-        with replay_routing(self.hybrid_model, RoutingRecord.from_rows(self._routing_layers, rows)) as stats:
-            loss = super()._compute_loss(model, inputs)
-        self.routing_replay_stats.replayed += stats.replayed
-        self.routing_replay_stats.changed += stats.changed
-        return loss
+        record = RoutingRecord.from_rows(self._routing_layers, rows)
+        with replay_routing(self.hybrid_model, record, stats=self.routing_replay_stats):
+            return super()._compute_loss(model, inputs)
 
 
 def check_construction(trainer_class: type, model: nn.Module, kwargs: dict) -> None:
