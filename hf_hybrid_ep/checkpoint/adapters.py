@@ -148,8 +148,9 @@ def init_adapters_(model: nn.Module, layers: list[ShardedExperts], adapter: str 
             for linear in (module.lora_A[adapter], module.lora_B[adapter]):
                 linear.to_empty(device=device or torch.device("cpu"))
             module.reset_lora_parameters(adapter, init)
+    params = dict(model.named_parameters())
     for name, (layer, kind) in factors.items():
-        shape = dict(model.named_parameters())[name].shape
+        shape = params[name].shape
         if kind == "B":
             _put(model, name, torch.zeros(shape), device)
             continue

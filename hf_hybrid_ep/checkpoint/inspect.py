@@ -7,13 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
 from .dequantize import quantization_config_of, quantization_of
 from .format import read_index
 from .manifest import read_manifest, verify_checksums
-from .safetensors_io import TensorFiles
+from .safetensors_io import TensorFiles, nonfinite_count
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
@@ -68,11 +66,9 @@ def nonfinite_tensors(root: Path, weight_map: dict[str, str]) -> dict[str, int]:
     found = {}
     with TensorFiles(weight_map, lambda name: root / name) as files:
         for key in sorted(weight_map):
-            t = files.read(key)
-            if t.is_floating_point():
-                bad = int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
-                if bad:
-                    found[key] = bad
+            bad = nonfinite_count(files.read(key))
+            if bad:
+                found[key] = bad
     return found
 
 

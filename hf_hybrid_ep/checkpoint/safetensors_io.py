@@ -93,6 +93,14 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, TensorSpec], di
     return specs, metadata
 
 
+def nonfinite_count(t: torch.Tensor) -> int:
+    """How many elements of ``t`` are NaN or inf (0 for integer tensors; float8 and other 1-byte types are
+    widened to check)."""
+    if not t.is_floating_point():
+        return 0
+    return int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
+
+
 def sha256_file(path: str | os.PathLike[str], chunk: int = 16 * 2**20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -30,7 +30,7 @@ from .convert import ShardFileMap
 from .format import FileInfo
 from .keys import ModelExperts
 from .manifest import save_metadata
-from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, sha256_file
+from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, nonfinite_count, sha256_file
 from .side_state import save_side_state
 
 
@@ -183,7 +183,7 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
 
 def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The names of the floating-point tensors that hold NaN or inf."""
-    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [name for name, t in tensors.items() if nonfinite_count(t)]
 
 
 def _finish(model: nn.Module, directory: Path, files: _Files, file_map: ShardFileMap, total: int, save_id: str) -> None:
