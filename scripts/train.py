@@ -97,9 +97,18 @@ def train_file_builder(path: str) -> str:
                                   f"accepted: {', '.join(TRAIN_FILE_BUILDERS)}")
     if not Path(path).is_file():
         raise HybridEPConfigError(f"--train_file {path!r} does not exist or is not a file")
-    if suffix != ".parquet" and not Path(path).read_bytes().strip():
+    if suffix != ".parquet" and not _holds_text(Path(path)):
         raise HybridEPConfigError(f"--train_file {path!r} is empty or holds only whitespace: nothing to train on")
     return TRAIN_FILE_BUILDERS[suffix]
+
+
+def _holds_text(path: Path, chunk: int = 1 << 20) -> bool:
+    """Whether ``path`` holds a non-whitespace byte (read until the first one, a MiB at a time)."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if block.strip():
+                return True
+    return False
 
 
 def check_hybrid_ep_file(path: str) -> None:
