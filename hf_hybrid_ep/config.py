@@ -22,6 +22,13 @@ from .parallel.topology import Topology, ranks_per_node
 ENV_PREFIX = "HF_HYBRID_EP_"
 
 DISPATCHER_BACKENDS = ("auto", "torch", "triton", "dedup")
+
+
+def auto_deduplicates(device_type: str, ep_degree: int, nodes: int, top_k: int, slots_per_rank: int) -> bool:
+    """Whether ``dispatcher="auto"`` runs the deduplicated exchange: an EP group over several nodes, or on CUDA a
+    token that can have several of its ``top_k`` experts on one rank (inside one CPU node the per-pair exchange
+    was measured faster, docs/benchmarks.md)."""
+    return ep_degree > 1 and (nodes > 1 or (device_type == "cuda" and top_k >= 2 and slots_per_rank >= 2))
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")

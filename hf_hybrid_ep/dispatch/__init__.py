@@ -8,7 +8,7 @@ backend: docs/architecture.md, "Where to add …".
 
 from __future__ import annotations
 
-from ..config import DISPATCHER_BACKENDS
+from ..config import DISPATCHER_BACKENDS, auto_deduplicates
 from ..errors import HybridEPConfigError
 from .dedup import DedupDispatcher, DedupGroups, dedup_groups
 from .protocol import CombineInFlight, Dispatcher, DispatchPlan, LocalPairs, Received, SideChannel
@@ -49,13 +49,11 @@ def _auto(device_type: str, ep_degree: int, nodes: int, top_k: int, slots_per_ra
     triton = device_type == "cuda" and triton_unavailable_reason(device_type) is None
     per_pair = ("triton", "CUDA with Triton importable") if triton else ("torch", "no CUDA" if device_type != "cuda"
                                                                          else "Triton not importable")
-    if ep_degree > 1 and nodes > 1:
-        return "dedup", (f"auto: the EP group spans {nodes} nodes, so each token crosses to a node once and to a "
-                         "rank once" + (" (the Triton kernels serve the per-pair exchange only)" if triton else ""))
-    if ep_degree > 1 and top_k >= 2 and slots_per_rank >= 2 and device_type == "cuda":
-        return "dedup", (f"auto: top-k {top_k} with {slots_per_rank} experts per rank, so a token's pairs on one "
-                         "rank travel as one row" + (" (the Triton kernels serve the per-pair exchange only)"
-                                                      if triton else ""))
+    if auto_deduplicates(device_type, ep_degree, nodes, top_k, slots_per_rank):
+        why = (f"the EP group spans {nodes} nodes, so each token crosses to a node once and to a rank once"
+               if nodes > 1 else
+               f"top-k {top_k} with {slots_per_rank} experts per rank, so a token's pairs on one rank travel as one row")
+        return "dedup", f"auto: {why}" + (" (the Triton kernels serve the per-pair exchange only)" if triton else "")
     if ep_degree == 1:
         reason = "one rank per EP group: nothing crosses ranks"
     elif top_k >= 2 and slots_per_rank >= 2:

@@ -80,7 +80,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS, check_int
+from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS, auto_deduplicates, check_int
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
 from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes, trained_params
@@ -280,7 +280,7 @@ def deduplicates(dispatcher: str, counts: ModelCounts, ep: int, nodes: int) -> b
     with more than one expert per rank)."""
     if dispatcher == "dedup":
         return True
-    return dispatcher == "auto" and ep > 1 and (nodes > 1 or (counts.top_k >= 2 and counts.num_experts // ep >= 2))
+    return dispatcher == "auto" and auto_deduplicates("cuda", ep, nodes, counts.top_k, counts.num_experts // ep)
 
 
 def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, micro_batches: int, b_a: int,
