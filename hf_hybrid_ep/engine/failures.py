@@ -8,11 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch.distributed as dist
-
 from ..errors import CheckpointError, HybridEPConfigError
 from ..parallel.mesh import HybridMesh
-from ..parallel.watchdog import watched
 
 T = TypeVar("T")
 _KINDS = {cls.__name__: cls for cls in (CheckpointError, HybridEPConfigError, FileNotFoundError)}
@@ -33,9 +30,7 @@ def agree_on_failure(mesh: HybridMesh, fn: Callable[..., T], *args) -> T:
             raise error
         return result
     mine = None if error is None else (type(error).__name__, str(error))
-    everyone: list = [None] * mesh.world_size
-    with watched("all_gather of every rank's error (agreeing on a failure)", mesh.world_group):
-        dist.all_gather_object(everyone, mine, group=mesh.world_group)
+    everyone = mesh.gather_objects(mine, "all_gather of every rank's error (agreeing on a failure)")
     failed = [rank for rank, e in enumerate(everyone) if e is not None]
     if not failed:
         return result

@@ -13,11 +13,9 @@ import hashlib
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import HybridEPConfigError
-from ..parallel.watchdog import watched
 from .state import state_of
 
 INPUT_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "labels")
@@ -46,9 +44,8 @@ def check_distinct_inputs(model: nn.Module, inputs: dict) -> None:
     mesh = state_of(model).mesh
     if mesh.world_group is None:
         return
-    everyone: list = [None] * mesh.world_size
-    with watched("all_gather of every rank's first-batch digest (start-up data check)", mesh.world_group):
-        dist.all_gather_object(everyone, batch_digest(inputs), group=mesh.world_group)
+    everyone = mesh.gather_objects(batch_digest(inputs), "all_gather of every rank's first-batch digest (start-up "
+                                   "data check)")
     same: dict[str, list[int]] = {}
     for rank, digest in enumerate(everyone):
         if digest is not None:

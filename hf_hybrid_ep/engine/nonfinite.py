@@ -23,14 +23,12 @@ import math
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import HybridEPConfigError, NonFiniteGradientError
 from ..moe.rebalance import unwrap_optimizer
 from ..parallel.mesh import local_tensor
-from ..parallel.watchdog import watched
 from ..parallel.zero import ShardedOptimizer
 from .state import HybridEPState, state_of
 
@@ -155,11 +153,7 @@ def nonfinite_layers(model: nn.Module, shown: int = 8) -> str:
             module = name.rpartition(".")[0] or name
             if module not in mine:
                 mine.append(module)
-    everyone = [mine]
-    if state.mesh.world_group is not None:
-        everyone = [None] * state.mesh.world_size
-        with watched("all_gather of the layers with non-finite gradients", state.mesh.world_group):
-            dist.all_gather_object(everyone, mine, group=state.mesh.world_group)
+    everyone = state.mesh.gather_objects(mine, "all_gather of the layers with non-finite gradients")
     ranks: dict[str, list[int]] = {}
     for rank, modules in enumerate(everyone):
         for module in modules:

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import HybridEPConfig
@@ -42,7 +41,6 @@ from ..parallel.mesh import (
     world_size,
     world_timeout,
 )
-from ..parallel.watchdog import watched
 from .adapters import is_peft_model, wrap_adapter_methods
 from .backward import BackwardSequence
 from .failures import agree_on_failure
@@ -62,9 +60,8 @@ def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh:
     with torch.no_grad():
         sums = [p.detach().sum(dtype=torch.float64).item() for p in model.parameters()]
     mine = ([t.fingerprint() for t in tables], sums)
-    gathered: list = [None] * mesh.world_size
-    with watched("all_gather of every rank's placement tables and parameter sums (set-up check)"):
-        dist.all_gather_object(gathered, mine)
+    gathered = mesh.gather_objects(mine, "all_gather of every rank's placement tables and parameter sums (set-up "
+                                   "check)")
     names = [n for n, _ in model.named_parameters()]
     for rank, (fps, other) in enumerate(gathered):
         if fps != mine[0]:

@@ -53,9 +53,7 @@ def verify_replicas(mesh: HybridMesh, dense: list[tuple[str, torch.Tensor]], hol
                 labels.append(f"{names[id(holding.param)]}[expert {holding.experts[slot]}]")
                 prints.append(_fingerprint(holding.param[slot]))
         problems += _compare(labels, torch.stack(prints).to(device), bucket.group, list(bucket.ranks), "expert")
-    everyone: list = [None] * mesh.world_size
-    with watched("all_gather of the replica check's findings", mesh.world_group):
-        dist.all_gather_object(everyone, problems[:1], group=mesh.world_group)
+    everyone = mesh.gather_objects(problems[:1], "all_gather of the replica check's findings")
     found = sorted({m for msgs in everyone for m in msgs})
     if found:
         raise ReplicaDivergenceError("; ".join(found))

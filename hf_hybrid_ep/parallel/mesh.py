@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .topology import EPGroupSpan, Topology, ep_group_span, nodes_spanned, ranks_per_node
+from .watchdog import watched
 
 _MESH_CACHE: dict[tuple, HybridMesh] = {}
 _GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
@@ -89,6 +90,16 @@ class HybridMesh:
     @property
     def world_group(self) -> dist.ProcessGroup | None:
         return None if self.device_mesh is None else dist.group.WORLD
+
+    def gather_objects(self, obj, what: str) -> list:
+        """Every rank's ``obj`` (picklable) in rank order, ``[obj]`` for a world of one; ``what`` names the
+        all-gather for the watchdog. Collective over the world."""
+        if self.world_group is None:
+            return [obj]
+        everyone: list = [None] * self.world_size
+        with watched(what, self.world_group):
+            dist.all_gather_object(everyone, obj, group=self.world_group)
+        return everyone
 
     def global_rank(self, edp_rank: int, ep_rank: int) -> int:
         return edp_rank * self.ep_degree + ep_rank

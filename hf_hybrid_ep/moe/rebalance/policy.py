@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...config import HybridEPConfig
@@ -36,7 +35,6 @@ from ...dispatch import PlacementTable
 from ...parallel.grads import GradientReducer
 from ...parallel.mesh import HybridMesh
 from ...parallel.topology import Topology
-from ...parallel.watchdog import watched
 from ...planning.placement import RoutingStats, align_rows, fit_placement, imbalance, rank_loads
 from ..layer import ShardedExperts
 from .moves import apply_tables
@@ -136,11 +134,8 @@ class Rebalancer:
         rank installs the same tables and no floating-point difference between hosts can split them."""
         mesh, layers = self.mesh, self.layers
         mine = self._fit([layer for i, layer in enumerate(layers) if i % mesh.world_size == mesh.rank])
-        if mesh.world_group is not None:
-            gathered: list = [None] * mesh.world_size
-            with watched("all_gather of a rebalance's fitted tables", mesh.world_group):
-                dist.all_gather_object(gathered, mine, group=mesh.world_group)
-            mine = {name: rows for part in gathered for name, rows in part.items()}
+        gathered = mesh.gather_objects(mine, "all_gather of a rebalance's fitted tables")
+        mine = {name: rows for part in gathered for name, rows in part.items()}
         return {layer.name: PlacementTable.from_rows(layer.num_experts, mine[layer.name]) for layer in layers}
 
     # ------------------------------------------------------------------ after a step
