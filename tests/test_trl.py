@@ -203,3 +203,22 @@ def test_routing_replay_is_for_grpo(tmp_path):
     with pytest.raises(hep.HybridEPConfigError, match="routing_replay=True .* is not a GRPOTrainer"):
         HybridEP(tc.trainer_class("sft"))(model=_single_process_model(), routing_replay=True,
                                           **tc.trainer_kwargs("sft", str(tmp_path), 2))
+
+
+def test_take_over_draws_the_adapters_on_the_device_of_the_model(tmp_path):
+    # HybridEP(TRL trainer)(peft_config=...) draws PEFT's adapters afresh after the trainer's construction: every
+    # factor on the device of the parameters it adapts. The model stands on the meta device (in place of an
+    # accelerator on this CPU-only host): a factor made on the CPU would show.
+    import types
+
+    import trl_cases as tc
+    from peft import get_peft_model
+
+    from hf_hybrid_ep.integrations.trl import take_over
+
+    model = get_peft_model(_single_process_model(), tc.peft_config())  # what the trainer's construction does
+    model.to("meta")
+    take_over(types.SimpleNamespace(model=model, args=types.SimpleNamespace(seed=0)))
+    lora = {name: p.device.type for name, p in model.named_parameters() if "lora_" in name}
+    assert any("experts" in name for name in lora) and any("q_proj" in name for name in lora), sorted(lora)
+    assert set(lora.values()) == {"meta"}, {name: d for name, d in lora.items() if d != "meta"}
