@@ -63,6 +63,23 @@ def test_sft_checkpoint_resumes_at_another_ep_degree(pools, tmp_path, lora):
         assert len(r["loss"]) == 2 and abs(r["loss"][1] - full[1]) <= parity.REL_TOL * full[1], (r, full)
 
 
+def test_sft_lora_evaluates_at_a_smaller_ep_degree(pools, tmp_path):
+    # HybridEP(SFTTrainer)(peft_config=..., eval_ep_degree=1) at dp2xep2, expert adapters non-zero: evaluating after
+    # each step with every expert and its adapter factors on every rank gives the training layout's evaluation loss,
+    # and training goes on as the run that never evaluated (same losses, same weights after, every slot parameter
+    # back at 2 slots); the memory check counts every slot parameter the smaller layout adds
+    pool = pools(4)
+    plain = pool.run(cases.sft_lora_eval_layout, str(tmp_path / "plain"), None, False)
+    small = pool.run(cases.sft_lora_eval_layout, str(tmp_path / "small"), 1, True)
+    for a, b in zip(plain, small, strict=True):
+        assert b["losses"] == a["losses"] and b["eval_after_training_layout"] == a["eval_after"], (a, b)
+        assert len(b["eval_losses"]) == 2 and b["eval_losses"][-1] == b["eval_after"], b
+        assert abs(b["eval_after"] - a["eval_after"]) <= parity.REL_TOL * a["eval_after"], (a, b)
+        assert b["extra_bytes"] == b["held_extra"], b  # the memory check counts the adapter factors too
+        assert b["layout"] == a["layout"] and all(ep == 2 and len(shapes) == 6 and {s[0] for s in shapes} == {2}
+                                                  for ep, shapes in b["layout"]), b
+
+
 def _assert_metrics(results: list[dict], keys: tuple[str, ...]) -> None:
     """The trainer's own logged metrics (gathered over the ranks by TRL) equal the single process's."""
     for r in results:
@@ -186,3 +203,22 @@ def test_routing_replay_is_for_grpo(tmp_path):
     with pytest.raises(hep.HybridEPConfigError, match="routing_replay=True .* is not a GRPOTrainer"):
         HybridEP(tc.trainer_class("sft"))(model=_single_process_model(), routing_replay=True,
                                           **tc.trainer_kwargs("sft", str(tmp_path), 2))
+
+
+def test_take_over_draws_the_adapters_on_the_device_of_the_model(tmp_path):
+    # HybridEP(TRL trainer)(peft_config=...) draws PEFT's adapters afresh after the trainer's construction: every
+    # factor on the device of the parameters it adapts. The model stands on the meta device (in place of an
+    # accelerator on this CPU-only host): a factor made on the CPU would show.
+    import types
+
+    import trl_cases as tc
+    from peft import get_peft_model
+
+    from hf_hybrid_ep.integrations.trl import take_over
+
+    model = get_peft_model(_single_process_model(), tc.peft_config())  # what the trainer's construction does
+    model.to("meta")
+    take_over(types.SimpleNamespace(model=model, args=types.SimpleNamespace(seed=0)))
+    lora = {name: p.device.type for name, p in model.named_parameters() if "lora_" in name}
+    assert any("experts" in name for name in lora) and any("q_proj" in name for name in lora), sorted(lora)
+    assert set(lora.values()) == {"meta"}, {name: d for name, d in lora.items() if d != "meta"}

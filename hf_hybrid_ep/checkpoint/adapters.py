@@ -135,24 +135,28 @@ def _expert_generator(seed: int, name: str, expert: int) -> torch.Generator:
 @torch.no_grad()
 def init_adapters_(model: nn.Module, layers: list[ShardedExperts], adapter: str = "default",
                    device: torch.device | None = None) -> None:
-    """Fresh adapters for a ``PeftModel`` built on the meta device (its EP ``layers`` sharded): dense adapters by PEFT's own
-    ``reset_lora_parameters`` (from the global RNG, identical on every rank under the same seed); expert factors
-    as PEFT draws them — ``lora_A`` uniform in ``±1/√in`` (``init_lora_weights=True``) or normal with std
-    ``1/r`` (``"gaussian"``), ``lora_B`` zero — each expert from its own generator (:func:`_expert_generator`)."""
+    """Fresh adapters for a ``PeftModel`` (its EP ``layers`` sharded), built on the meta device or drawn by PEFT over
+    this rank's slots: dense adapters by PEFT's own ``reset_lora_parameters`` (from the global RNG, identical on every
+    rank under the same seed); expert factors as PEFT draws them — ``lora_A`` uniform in ``±1/√in``
+    (``init_lora_weights=True``) or normal with std ``1/r`` (``"gaussian"``), ``lora_B`` zero — each expert from its
+    own generator (:func:`_expert_generator`). Made on ``device``, by default on the device of the weights each
+    adapter adapts."""
     init = model.peft_config[adapter].init_lora_weights
     seed = int(torch.randint(0, 2**62, ()).item())  # one draw: the same on every rank under the same seed
     factors = expert_factors(model, layers)
     for module in model.modules():
         if hasattr(module, "reset_lora_parameters") and adapter in getattr(module, "lora_A", {}) \
                 and not is_param_wrapper(module):
+            made_on = device if device is not None else module.get_base_layer().weight.device
             for linear in (module.lora_A[adapter], module.lora_B[adapter]):
-                linear.to_empty(device=device or torch.device("cpu"))
+                linear.to_empty(device=made_on)
             module.reset_lora_parameters(adapter, init)
     params = dict(model.named_parameters())
     for name, (layer, kind) in factors.items():
         shape = params[name].shape
+        made_on = device if device is not None else layer.expert_parameters()[0].device
         if kind == "B":
-            _put(model, name, torch.zeros(shape), device)
+            _put(model, name, torch.zeros(shape), made_on)
             continue
         rows = []
         for e in layer.local_experts:
@@ -162,4 +166,4 @@ def init_adapters_(model: nn.Module, layers: list[ShardedExperts], adapter: str 
             else:
                 bound = 1 / math.sqrt(shape[2])
                 rows.append(torch.rand(shape[1:], generator=g) * (2 * bound) - bound)
-        _put(model, name, torch.stack(rows), device)
+        _put(model, name, torch.stack(rows), made_on)

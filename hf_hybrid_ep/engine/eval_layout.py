@@ -2,8 +2,9 @@
 
 Validating a model trained at EP degree ``ep`` costs fewer exchanges at a smaller ``ep'``: each rank holds ``ep/ep'``
 times the experts and can take a larger evaluation batch (``ep' = 1``: no token exchange at all). Inside
-:func:`eval_layout` the experts are gathered over their training EP groups and laid out contiguously at ``ep'``
-over EP groups of ``ep'`` consecutive ranks (:func:`hf_hybrid_ep.build_mesh`, cached); on exit the training layout
+:func:`eval_layout` every per-slot parameter — the experts' weights and their LoRA factors — is gathered over its
+training EP group and laid out contiguously at ``ep'`` over EP groups of ``ep'`` consecutive ranks
+(:func:`hf_hybrid_ep.build_mesh`, cached); on exit the training layout
 comes back as it was — the same parameter objects, so the optimizer, its state and the gradient buckets are
 untouched — and training continues at the full degree. The math is the layout's: results equal evaluating the
 same weights at the training layout (to the round-off of a different grouping of rows).
@@ -52,12 +53,13 @@ def _refusal(state: HybridEPState, ep_degree: int) -> str | None:
 
 
 def extra_bytes(state: HybridEPState, ep_degree: int) -> int:
-    """Bytes a rank holds beyond the training layout at ``ep_degree``: its added experts, plus one parameter's
-    full ``[E, ...]`` tensor while the experts are gathered."""
+    """Bytes a rank holds beyond the training layout at ``ep_degree``: the added slots of every per-slot parameter
+    (the experts' weights and their adapters' factors), plus one parameter's full ``[E, ...]`` tensor while they
+    are gathered."""
     added, gathered = 0, 0
     for layer in state.layers:
         slots = layer.num_experts // ep_degree
-        for p in layer.expert_parameters():
+        for p in layer.slot_parameters():
             row = p[0].numel() * p.element_size()
             added += max(0, slots - p.shape[0]) * row
             gathered = max(gathered, layer.num_experts * row)
@@ -88,9 +90,9 @@ def _check_fits(state: HybridEPState, ep_degree: int, budget_bytes: int | None) 
     if short.item() > 0:
         where = "the budget given" if budget_bytes is not None else f"the free memory of {device}"
         raise HybridEPConfigError(
-            f"evaluation at ep_degree={ep_degree} needs {need / 2**20:.1f} MiB more per rank (the added experts and "
-            f"one gathered parameter), {short.item() / 2**20:.1f} MiB beyond {where} on some rank: evaluate at a larger "
-            "EP degree or the training layout")
+            f"evaluation at ep_degree={ep_degree} needs {need / 2**20:.1f} MiB more per rank (the added experts with "
+            f"their adapters, and one gathered parameter), {short.item() / 2**20:.1f} MiB beyond {where} on some "
+            "rank: evaluate at a larger EP degree or the training layout")
 
 
 @contextlib.contextmanager
@@ -121,15 +123,11 @@ def eval_layout(model: nn.Module, ep_degree: int, budget_bytes: int | None = Non
     for layer in state.layers:
         table = PlacementTable.contiguous(layer.num_experts, ep_degree)
         rows = torch.tensor(table.local_experts(mesh.ep_rank), dtype=torch.long)
-        params = {}
-        for pname in layer.param_names:
-            full = layer.gather_full(pname)
-            params[pname] = nn.Parameter(full[rows.to(full.device)].clone(), requires_grad=False)
-            del full
-        saved.append((layer, layer.mesh, layer.table, layer.options,
-                      {pname: getattr(layer.module, pname) for pname in layer.param_names}))
-        for pname, p in params.items():
-            setattr(layer.module, pname, p)
+        training = layer.slot_parameters()
+        # one gathered [E, ...] tensor at a time, freed once its rows are taken
+        laid_out = [nn.Parameter(layer.gather_rows(p)[rows.to(p.device)], requires_grad=False) for p in training]
+        saved.append((layer, layer.mesh, layer.table, layer.options, training))
+        layer.use_slot_parameters(laid_out)
         options = dataclasses.replace(layer.options, count_slots=max(slots, layer.options.count_slots or 0))
         layer.use_layout(mesh, table, options)
     training_mesh, state.agreement.mesh = state.agreement.mesh, mesh
@@ -138,6 +136,5 @@ def eval_layout(model: nn.Module, ep_degree: int, budget_bytes: int | None = Non
     finally:
         state.agreement.mesh = training_mesh
         for layer, old_mesh, old_table, old_options, old_params in saved:
-            for pname, p in old_params.items():
-                setattr(layer.module, pname, p)
+            layer.use_slot_parameters(old_params)
             layer.use_layout(old_mesh, old_table, old_options)

@@ -13,7 +13,8 @@ memory-mapped with ``safe_open``: the slow tier of a CPU-only host). On CUDA eve
 few pinned staging buffers to a side stream (:class:`ExpertTransfers`). With ``prefetch=True`` each layer
 applies the next layer's router to its own input hidden states and loads the predicted experts of the
 next layer ahead of use; the prediction's recall is in :func:`cache_stats`. Deciding which experts to load
-reads their counts to the host once per layer and forward; nothing else waits for the device.
+reads their counts to the host once per layer and forward (with the next layer's predicted counts when
+prefetching); nothing else waits for the device.
 """
 
 from __future__ import annotations
@@ -166,12 +167,17 @@ class OffloadedExperts:
             rows = self.store.expert(self.name, expert)
             self.transfers.load([(getattr(self.module, p)[slot], value) for p, value in rows.items()])
 
-    def _routed_counts(self, top_k_index: torch.Tensor) -> list[int]:
-        """Pairs routed to each expert (ids < 0 are dropped pairs): one host read, no other synchronisation."""
+    def _routed_counts(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """``[E]`` pairs routed to each expert (ids < 0 are dropped pairs), on their device: no synchronisation."""
         ids = top_k_index.reshape(-1).long()
         counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=ids.device)
         counts.scatter_add_(0, torch.where(ids >= 0, ids, self.num_experts), torch.ones_like(ids))
-        return counts[: self.num_experts].tolist()
+        return counts[: self.num_experts]
+
+    def predicted_counts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[E]`` pairs this layer's router sends to each expert for ``hidden_states`` (the previous layer's
+        experts input), on their device: the prediction of its experts."""
+        return self._routed_counts(self.router(hidden_states)[2])
 
     @torch.no_grad()
     def resize(self, capacity: int) -> None:
@@ -191,10 +197,9 @@ class OffloadedExperts:
         return sum(getattr(self.module, p).numel() * getattr(self.module, p).element_size() for p in self.param_names)
 
     @torch.no_grad()
-    def prefetch_from(self, hidden_states: torch.Tensor) -> None:
-        """Predict this layer's experts by applying its router to ``hidden_states`` (the previous layer's
-        experts input) and load up to ``capacity`` of them, the most-routed first."""
-        counts = self._routed_counts(self.router(hidden_states)[2])
+    def prefetch(self, counts: list[int]) -> None:
+        """Load up to ``capacity`` of the experts :meth:`predicted_counts` predicts (``counts``, read to the host),
+        the most-routed first."""
         ranked = sorted(range(self.num_experts), key=lambda e: -counts[e])[: self.cache.capacity]  # stable
         predicted = [e for e in ranked if counts[e] > 0]
         self.prediction = set(predicted)
@@ -203,14 +208,18 @@ class OffloadedExperts:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         capacity = self.cache.capacity
-        needed = [e for e, n in enumerate(self._routed_counts(top_k_index)) if n]
+        counts = self._routed_counts(top_k_index)
+        if self.next is not None:  # its prediction travels to the host with this layer's counts: one read
+            counts = torch.cat([counts, self.next.predicted_counts(hidden_states)])
+        counts = counts.tolist()
+        needed = [e for e, n in enumerate(counts[: self.num_experts]) if n]
         if self.prediction is not None:
             stats = self.cache.stats
             stats.used += len(needed)
             stats.predicted_used += len(self.prediction.intersection(needed))
             self.prediction = None
         if self.next is not None:  # the next layer's loads overlap this layer's compute on CUDA
-            self.next.prefetch_from(hidden_states)
+            self.next.prefetch(counts[self.num_experts :])
         out = None
         self.module._is_expert_parallel = True  # ids >= num_experts are skipped by transformers' kernels
         try:

@@ -3,9 +3,10 @@
 
 * ``peft_config``: the trainer wraps the parallelized model with PEFT itself (each expert adapter drawn over this
   rank's slots): :func:`take_over` holds the expert factors with their experts, rebuilds the gradient reduction
-  and draws fresh adapters that do not depend on the layout (from ``args.seed``, the same on every rank). DPO's
-  reference is then the adapter-disabled policy, as TRL makes it. A ``PeftModel`` given to DPO without a
-  ``ref_model`` is refused: TRL would add a ``ref`` copy of its adapter after parallelize.
+  and draws fresh adapters that do not depend on the layout (from ``args.seed``, the same on every rank), on the
+  device of the weights they adapt. DPO's reference is then the adapter-disabled policy, as TRL makes it. A
+  ``PeftModel`` given to DPO without a ``ref_model`` is refused: TRL would add a ``ref`` copy of its adapter after
+  parallelize.
 * a reference model (DPO's ``ref_model``; TRL prepares it without DDP): parallelized or not, it takes no
   gradients.
 * TRL forms its loss from the fused LM head's per-token log-probabilities and adds the model's own router aux

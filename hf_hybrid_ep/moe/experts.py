@@ -118,6 +118,11 @@ class ExpertCompute:
     def adapter_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.adapter_factors()]
 
+    def use_adapter_parameters(self, params: list[nn.Parameter]) -> None:
+        """Hold ``params`` (in :meth:`adapter_factors` order) as the adapters' factors from now on (none here)."""
+        if params:
+            raise ValueError(f"{len(params)} adapter factors given to experts without adapters")
+
     def added_after(self) -> list[str]:
         """Adapters added to the module's wrappers after it was sharded, which it cannot compute (none here)."""
         return []

@@ -202,6 +202,14 @@ class ShardedExperts:
         over the ranks holding each expert, counted once in the norm, saved by global expert id)."""
         return self.expert_parameters() + self.experts.adapter_parameters()
 
+    def use_slot_parameters(self, params: list[nn.Parameter]) -> None:
+        """Hold ``params`` (in :meth:`slot_parameters` order) as the per-slot parameters from now on: the expert
+        parameters in the module, the factors in their adapters (another layout's slots, or the training ones back)."""
+        experts = len(self.param_names)
+        for pname, p in zip(self.param_names, params[:experts], strict=True):
+            setattr(self.module, pname, p)
+        self.experts.use_adapter_parameters(params[experts:])
+
     def use_compute(self, compute: ExpertCompute) -> None:
         """Compute the received rows with ``compute`` from now on (an adapter's :class:`ExpertCompute`)."""
         self.experts = compute

@@ -163,13 +163,24 @@ class LoRAExpertCompute(ExpertCompute):
     def grouped(self) -> bool:
         return True
 
+    def _factor_holders(self) -> list[tuple[str, nn.Module]]:
+        """``(kind, linear)`` of every adapter factor, in :meth:`adapter_factors` order: the module whose
+        ``weight`` it is."""
+        return [(kind, holder[adapter]) for wrapper in self.wrappers.values() for adapter in wrapper.lora_A
+                for kind, holder in (("A", wrapper.lora_A), ("B", wrapper.lora_B))]
+
     def adapter_factors(self) -> list[tuple[str, nn.Parameter]]:
         """``(kind, parameter)`` of every adapter factor: ``"A"`` ``[S, r, in]`` or ``"B"`` ``[S, out, r]``."""
-        out = []
+        return [(kind, linear.weight) for kind, linear in self._factor_holders()]
+
+    def use_adapter_parameters(self, params: list[nn.Parameter]) -> None:
+        """Hold ``params`` (in :meth:`adapter_factors` order, slot-major, ``S'`` rows each) as the factors from now
+        on: the slots of another layout (:func:`hf_hybrid_ep.engine.eval_layout.eval_layout`)."""
+        for (_, linear), p in zip(self._factor_holders(), params, strict=True):
+            linear.weight = p
         for wrapper in self.wrappers.values():
-            for adapter in wrapper.lora_A:
-                out += [("A", wrapper.lora_A[adapter].weight), ("B", wrapper.lora_B[adapter].weight)]
-        return out
+            if wrapper.lora_A:
+                wrapper.num_experts = next(iter(wrapper.lora_A.values())).weight.shape[0]
 
     def added_after(self) -> list[str]:
         """Adapters PEFT added to the wrappers after parallelize (their factors are not slot-major)."""

@@ -93,7 +93,14 @@ from .training import (
     one_hot_expert_training,
     train_parity,
 )
-from .trl import grpo_compare, grpo_generate, grpo_routing_replay, trl_parity, trl_resume
+from .trl import (
+    grpo_compare,
+    grpo_generate,
+    grpo_routing_replay,
+    sft_lora_eval_layout,
+    trl_parity,
+    trl_resume,
+)
 
 __all__ = [
     # constants and the comparison helper tests use directly
@@ -171,6 +178,7 @@ __all__ = [
     "grpo_compare",
     "grpo_generate",
     "grpo_routing_replay",
+    "sft_lora_eval_layout",
     "trl_parity",
     "trl_resume",
 ]

@@ -132,3 +132,49 @@ def grpo_routing_replay(dp: int, ep: int, output_dir: str, num_iterations: int) 
     history = [e for e in trainer.state.log_history if "loss" in e]
     return {"changed": [e.get("moe/replay_changed_fraction") for e in history],
             "loss": [e["loss"] for e in history]}
+
+
+def _draw_adapters_(model: torch.nn.Module, seed: int) -> None:
+    """Every LoRA factor drawn anew and non-zero (PEFT starts ``lora_B`` at zero, where a misplaced expert factor
+    would change nothing), an expert factor as this rank's slots of a draw over all experts."""
+    factors = {id(p): layer for layer in hep.state_of(model).layers for p in layer.experts.adapter_parameters()}
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                continue
+            layer = factors.get(id(p))
+            shape = p.shape if layer is None else (layer.num_experts, *p.shape[1:])
+            full = torch.randn(shape, generator=g) * (0.05 if "lora_B" in name else 0.2)
+            p.copy_(full if layer is None else full[layer.local_experts])
+
+
+def sft_lora_eval_layout(output_dir: str, eval_ep_degree: int | None, evaluate_each_step: bool) -> dict:
+    """``HybridEP(SFTTrainer)(peft_config=..., eval_ep_degree=...)`` at dp 2 × ep 2, expert adapters drawn non-zero,
+    evaluating after each of its 2 steps (``evaluate_each_step``) and once after training, at ``eval_ep_degree``
+    and at the training layout: the training and evaluation losses, each layer's slot-parameter shapes after, and
+    the memory check's bytes at ep 1 against what the layout held (its added slots and one gathered parameter)."""
+    import trl_cases as tc
+
+    from hf_hybrid_ep.engine.eval_layout import extra_bytes
+
+    settings = {"eval_strategy": "steps" if evaluate_each_step else "no", "eval_steps": 1,
+                "per_device_eval_batch_size": 4}
+    trainer, _ = _hybrid_trainer("sft", 2, 2, output_dir, lora=True, settings=settings,
+                                 eval_dataset=tc.sft_dataset(True, 16), eval_ep_degree=eval_ep_degree)
+    _draw_adapters_(trainer.model, seed=7)
+    trainer.train()
+    during = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    after = trainer.evaluate()["eval_loss"]
+    trainer.eval_ep_degree = None
+    at_training_layout = trainer.evaluate()["eval_loss"]
+    state = hep.state_of(trainer.model)
+    training = sum(p.nbytes for layer in state.layers for p in layer.slot_parameters())
+    with hep.eval_layout(trainer.model, 1):
+        held = sum(p.nbytes for layer in state.layers for p in layer.slot_parameters())
+    gathered = max(layer.num_experts * p[0].nbytes for layer in state.layers for p in layer.slot_parameters())
+    return {"losses": tc.logged(trainer)["loss"], "eval_losses": during, "eval_after": after,
+            "eval_after_training_layout": at_training_layout, "extra_bytes": extra_bytes(state, 1),
+            "held_extra": held - training + gathered,
+            "layout": [(layer.mesh.ep_degree, [tuple(p.shape) for p in layer.slot_parameters()])
+                       for layer in hep.state_of(trainer.model).layers]}
