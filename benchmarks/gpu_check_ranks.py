@@ -29,6 +29,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -57,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = {"cpu": 1e-5, "cuda": 1e-4}
 LR, EPS, MAX_NORM = 1e-3, 1e-6, 0.5
 ACCUM = 2
+FAILED_GRACE_S = 30  # after a rank failed, seconds the others get to record their own error
 SECTIONS = ("g_exchanges", "h_reducer_zero1", "i_lora", "j_eval_layout", "k_trainer", "l_sft")
 
 
@@ -118,15 +120,24 @@ def run_ranks(sizes: Sizes, tmp: Path) -> dict[str, dict]:
         log = open(out / f"rank{rank}.log", "w")  # closed once the process has ended
         procs.append((subprocess.Popen(cmd, env=_rank_env(rank, port, sizes.dry_run), stdout=log,
                                        stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True), log))
-    deadline = time.monotonic() + sizes.ranks_timeout_s
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    _wait([p for p, _ in procs], sizes.ranks_timeout_s)
+    for _, log in procs:
         log.close()
     return merge_ranks(out, [p.returncode for p, _ in procs])
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait until every rank has ended, :data:`FAILED_GRACE_S` after one failed (a rank that failed ends at once,
+    the others' collectives with it fail when its connections close), or ``timeout_s``; then kill the rest."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def merge_ranks(out: Path, codes: list[int]) -> dict[str, dict]:
@@ -665,7 +676,8 @@ def init_world(dry_run: bool):
 
 
 def worker(out: Path, dry_run: bool) -> int:
-    """Run every section on this rank; stop after the first section that failed on any rank."""
+    """Run every section on this rank, recording each in ``rank{r}.json``; end at once after a section that failed
+    here (the other ranks' next collective with this one then fails), and after one that failed elsewhere."""
     import torch.distributed as dist
 
     from benchmarks.bench_gpu_check import run_section
@@ -678,11 +690,14 @@ def worker(out: Path, dry_run: bool) -> int:
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(record, default=str))
         print(f"rank {ctx.rank}: {name}: {record[name]['status']} ({record[name]['seconds']:.1f} s)", flush=True)
         statuses: list = [None] * WORLD
-        dist.all_gather_object(statuses, record[name]["status"])
+        if record[name]["status"] == "ok":
+            with contextlib.suppress(RuntimeError):  # a rank that failed has gone: its connections are closed
+                dist.all_gather_object(statuses, "ok")
         if any(s != "ok" for s in statuses):
-            break
+            sys.stdout.flush()
+            os._exit(1)  # no process-group teardown with ranks gone or stuck
     dist.destroy_process_group()
-    return 0 if all(r["status"] == "ok" for r in record.values()) else 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
