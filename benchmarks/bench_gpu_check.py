@@ -70,7 +70,8 @@ g-l. the multi-rank sections (``benchmarks/gpu_check_ranks.py``): 4 rank process
    j. ``eval_layout`` -- logits inside ``hep.eval_layout(model, 1)`` equal to the training layout's and the
       reference's, the layout back afterwards and a training step after it still equal;
    k, l. ``HybridEP(Trainer)`` and ``HybridEP(SFTTrainer)`` at dp 2 × ep 2 for 3 steps: logged losses and gradient
-      norms against the same trainer in one process (run here, before the ranks start), DDP wrapping the model.
+      norms against the same trainer in one process (run here, before the ranks start), DDP wrapping the model
+      (``SFTConfig``'s default turns activation checkpointing on: the recompute under the Trainer too).
 m. ``sync_debug`` -- one ZeRO-1 training step at world 1 (one-rank NCCL) under
    ``torch.cuda.set_sync_debug_mode("error")`` must finish; the step before it, under ``"warn"``, lists every
    synchronising call (file:line). It cannot run in the multi-rank job: gloo's CUDA collectives synchronise
