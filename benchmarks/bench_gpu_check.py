@@ -1,7 +1,8 @@
-"""A prepared GPU check: one command on one CUDA GPU, about 4 minutes, two result files.
+"""A prepared GPU check: one command on one CUDA GPU, at most 8 minutes, two result files.
 
-    python -m benchmarks.bench_gpu_check --out-dir .            # one CUDA GPU: writes gpu_check.json, gpu_check.md
-    python -m benchmarks.bench_gpu_check --dry-run --out-dir /tmp/x   # CPU, tiny shapes, Triton interpreter, < 60 s
+    timeout 480 python -m benchmarks.bench_gpu_check --out-dir gpu_check_out   # one CUDA GPU
+    python -m benchmarks.bench_gpu_check --dry-run --out-dir /tmp/x             # CPU, tiny shapes, the same code
+    python -m benchmarks.bench_gpu_check --sections g,m --out-dir gpu_check_out # a rerun of some sections
 
 Dependencies are checked first (torch with CUDA unless ``--dry-run``, triton, transformers, accelerate); a
 missing one stops the run within seconds with a message naming it. Every model is built from a transformers
@@ -45,25 +46,48 @@ d. ``offloaded_decoding`` -- greedy decoding with a 25 % expert budget through
    resident differ.
 e. ``save_resume`` -- an fp32 model built on the CPU and parallelized (ZeRO-1, fused AdamW) takes one step, is
    saved (streamed hybrid-EP checkpoint: the device memory the save allocates must stay within one layer's
-   experts) with its optimizer state, resumed with ``hep.from_pretrained`` and ``load_optimizer_state`` (the
+   experts) with its optimizer state (its peak device memory recorded), resumed with ``hep.from_pretrained`` and ``load_optimizer_state`` (the
    parameters and AdamW's ``step`` must be on ``cuda:0``), and both take one more step: equal losses and
    parameters (relative 1e-5).
 f. ``autocast`` -- fp32 weights under ``torch.autocast(bfloat16)``: the engine's grouped GEMMs must run in bf16,
    its rows be 2·H bytes in the dispatcher's counters, and every fp32 gradient be within 3x the bf16 round-off
    of the fp32 reference (the reference under autocast with eager experts).
 
-Expected run time: about 3-5 minutes on one H200 (mostly model building, Triton compilation and section e's
-files); ``--dry-run`` under a minute on two CPU cores. Prepared as one timed command with room for a rerun:
-``timeout 480 python -m benchmarks.bench_gpu_check --out-dir gpu_check_out``.
+g-l. the multi-rank sections (``benchmarks/gpu_check_ranks.py``): 4 rank processes sharing this one device, a
+   gloo process group bound to it (NCCL refuses two ranks on one GPU; gloo carries CUDA tensors through pinned
+   host memory), a ~130 M-parameter Qwen3-MoE in fp32, every result against the unsharded model trained by torch
+   alone in the same process on the global batch, per parameter (relative 1e-4 on the GPU, 1e-5 on the CPU):
+   g. ``exchanges`` at dp 1 × ep 4 -- the per-pair exchange (``"torch"`` and ``"triton"``), the deduplicated one
+      inside one node (its members) and across two emulated nodes (``topology="gpus_per_node=2"``: the relay
+      stage), ``overlap_degree=2`` (twice the dispatch calls) and activation checkpointing (the recompute repeats
+      every exchange, from the autograd engine's device thread): loss, clipping norm, first-step gradients and
+      parameters after the step, and rows that crossed to other ranks (across the nodes only with the topology);
+   h. ``reducer_zero1`` at dp 2 × ep 2 -- the bucketed reducer (several buckets, launched while backward runs,
+      dense and expert bytes reduced) and ZeRO-1 (``ShardedAdamW``, each rank keeping a quarter of the dense
+      state) for 3 steps; then the peak device memory of a streamed save (at most one layer's experts) and of an
+      optimizer-state save (at most the dense optimizer state, which ZeRO-1 assembles whole, and one layer's);
+   i. ``lora`` -- PEFT's LoRA on attention and on the experts against PEFT's own code path;
+   j. ``eval_layout`` -- logits inside ``hep.eval_layout(model, 1)`` equal to the training layout's and the
+      reference's, the layout back afterwards and a training step after it still equal;
+   k, l. ``HybridEP(Trainer)`` and ``HybridEP(SFTTrainer)`` at dp 2 × ep 2 for 3 steps: logged losses and gradient
+      norms against the same trainer in one process (run here, before the ranks start), DDP wrapping the model
+      (``SFTConfig``'s default turns activation checkpointing on: the recompute under the Trainer too).
+m. ``sync_debug`` -- one ZeRO-1 training step at world 1 (one-rank NCCL) under
+   ``torch.cuda.set_sync_debug_mode("error")`` must finish; the step before it, under ``"warn"``, lists every
+   synchronising call (file:line). It cannot run in the multi-rank job: gloo's CUDA collectives synchronise
+   their copies on their own threads, which the process-wide mode flags.
 
-What it cannot verify: multi-rank NCCL. One rank runs no real collectives (every exchange is the identity and
-every reduction a no-op; sections c, e and f run with the one-rank NCCL group of section c, so their heartbeat
-broadcasts and device checks are NCCL calls), and NCCL refuses two ranks on one GPU, so all-to-all, the gradient
-collectives, the bucket launch order and ZeRO-1's reduce-scatter / all-gather over several GPUs need a
-multi-GPU machine. For the same reason the
-bucketed gradient reducer, though installed, allocates no buckets and reduces nothing at world 1 (section c
-records its counters, all zero); ZeRO-1 is checked for its bookkeeping only (one shard holding every element). ``--dry-run`` skips every
-bf16 comparison (the Triton interpreter's bf16 arithmetic is broken) and all CUDA timing.
+Expected run time on one H200: sections a-f 3-5 minutes (mostly model building, Triton compilation and section
+e's files), g-l 1-2 minutes (4 processes starting, then small steps whose collectives cross host memory), m
+seconds; not yet measured. The report files are rewritten after every section, so a run cut short by the
+timeout keeps every finished section; ``--sections`` reruns a subset. ``--dry-run`` takes about a minute on two
+idle CPU cores (4 rank processes for g-l).
+
+What it cannot verify: NCCL at world > 1 (NCCL refuses two ranks on one GPU) and therefore no collective speed:
+sections c, e, f and m run with a one-rank NCCL group, and g-l move every collective through host memory. At
+world 1 the reducer allocates no buckets and reduces nothing (section c records its counters, all zero); section
+h runs it. ``--dry-run`` skips every bf16 comparison (the Triton interpreter's bf16 arithmetic is broken), all
+CUDA timing and memory figures, and the sync-debug mode (CUDA only).
 """
 
 from __future__ import annotations
@@ -79,17 +103,17 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 PEAK_BF16_FLOPS = 989e12
-NCCL_NOTE = ("multi-rank NCCL is not verified by this check: one rank runs no collectives, and NCCL refuses two "
-             "ranks on one GPU")
-GRAD_REDUCTION_NOTE = ("the bucketed gradient reducer is installed, but at world 1 it attaches no bucket buffers and "
-                       "reduces nothing (GradientReducer returns early for a world of one; 'gradient_reduction' "
-                       "records 0 reductions): the bucketed path is not exercised here")
+NCCL_NOTE = ("NCCL is not verified by this check: NCCL refuses two ranks on one GPU, so the multi-rank sections "
+             "(g-l) run 4 ranks on this one device with gloo carrying the tensors through host memory")
+GRAD_REDUCTION_NOTE = ("at world 1 the bucketed gradient reducer attaches no bucket buffers and reduces nothing "
+                       "('gradient_reduction' records 0 reductions); section h runs it at world 4")
 DRY_RUN_NOTE = ("dry run: CPU, tiny shapes, Triton interpreter, fp32 only -- bf16 comparisons and CUDA timings "
                 "skipped (the interpreter's bf16 arithmetic is broken)")
 FP32_KERNEL_TOL = 1e-6
@@ -118,6 +142,12 @@ class Sizes:
     decode_model: dict[str, int] = field(default_factory=dict)
     decode_prompt: int = 8
     decode_tokens: int = 8
+    # the multi-rank sections (benchmarks/gpu_check_ranks.py): world 4 on one device, fp32
+    ranks_model: dict[str, int] = field(default_factory=dict)
+    ranks_batch: tuple[int, int] = (2, 16)  # (sequences per rank, tokens per sequence)
+    ranks_steps: int = 2
+    ranks_bucket_mb: float = 0.02  # small, so that a step fills several gradient buckets
+    ranks_timeout_s: float = 600.0  # the 4 rank processes are killed after this
 
 
 def cuda_sizes() -> Sizes:
@@ -131,6 +161,9 @@ def cuda_sizes() -> Sizes:
         decode_model=dict(hidden=1024, layers=4, experts=32, top_k=4, expert_width=768, vocab=32000, heads=8,
                           kv_heads=4),
         decode_prompt=32, decode_tokens=32,
+        ranks_model=dict(hidden=1024, layers=4, experts=16, top_k=4, expert_width=512, vocab=8192, heads=8,
+                         kv_heads=4),
+        ranks_batch=(2, 256), ranks_steps=3, ranks_bucket_mb=4.0, ranks_timeout_s=300.0,
     )
 
 
@@ -142,6 +175,7 @@ def dry_sizes() -> Sizes:
         engine_batch=(2, 16), engine_steps=3,
         decode_model=dict(hidden=64, layers=2, experts=8, top_k=2, expert_width=32, vocab=256, heads=4, kv_heads=2),
         decode_prompt=6, decode_tokens=6,
+        ranks_model=dict(hidden=64, layers=2, experts=8, top_k=2, expert_width=32, vocab=256, heads=4, kv_heads=2),
     )
 
 
@@ -809,29 +843,38 @@ def _step(model, optimizer, ids) -> float:
     return loss.item()
 
 
-def _layer_expert_bytes(model) -> int:
+def layer_expert_bytes(model) -> int:
     import hf_hybrid_ep as hep
 
     return max(sum(p.numel() * p.element_size() for p in layer.expert_parameters()) * layer.num_experts
                // len(layer.local_experts) for layer in hep.state_of(model).layers)
 
 
-def _saved(model, optimizer, directory: Path, device: str) -> dict[str, Any]:
-    """Save ``model`` (streamed hybrid-EP checkpoint) and its optimizer state; the device memory the model save
-    allocated beyond what it found (CUDA only)."""
+def device_peak(fn: Callable[[], object], device: str) -> int | None:
+    """The device memory ``fn()`` allocated at its peak beyond what was allocated before (CUDA only)."""
     import torch
 
+    if device != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _saved(model, optimizer, directory: Path, device: str) -> dict[str, Any]:
+    """Save ``model`` (streamed hybrid-EP checkpoint) and its optimizer state; the device memory each save
+    allocated beyond what it found (CUDA only)."""
     from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
     from hf_hybrid_ep.integrations.optimizer_state import save_optimizer_state
 
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    save_hybrid_checkpoint(model, directory / "model")
-    extra = torch.cuda.max_memory_allocated() - before if device == "cuda" else None
-    save_optimizer_state(model, optimizer, directory / "optimizer")
-    return {"save_peak_extra_bytes": extra, "layer_expert_bytes": _layer_expert_bytes(model)}
+    return {"save_peak_extra_bytes": device_peak(lambda: save_hybrid_checkpoint(model, directory / "model"), device),
+            "optimizer_save_peak_extra_bytes": device_peak(
+                lambda: save_optimizer_state(model, optimizer, directory / "optimizer"), device),
+            "layer_expert_bytes": layer_expert_bytes(model)}
 
 
 def section_save_resume(sizes: Sizes, tmp: Path) -> dict[str, Any]:
@@ -843,6 +886,7 @@ def section_save_resume(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     import hf_hybrid_ep as hep
     from hf_hybrid_ep.integrations.optimizer_state import load_optimizer_state
 
+    init_world_of_one(sizes.device, tmp)
     config = hep.HybridEPConfig(optimizer_sharding="zero1")
     model = hep.parallelize(build_model(sizes.decode_model, "cpu", torch.float32).train(), config)  # placed
     optimizer = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
@@ -902,7 +946,7 @@ def grouped_gemm_dtypes():
     return Recorder()
 
 
-def section_autocast(sizes: Sizes) -> dict[str, Any]:
+def section_autocast(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     """The usual ``--bf16`` run: fp32 weights under ``torch.autocast(bfloat16)``. The engine's rows must travel in
     bf16 (2·H bytes a row in the dispatcher's counters), its grouped GEMMs run in bf16, its gradients land in the
     fp32 parameters within ``SAFETY`` x the bf16 round-off of the fp32 reference (the reference model under
@@ -911,6 +955,7 @@ def section_autocast(sizes: Sizes) -> dict[str, Any]:
 
     import hf_hybrid_ep as hep
 
+    init_world_of_one(sizes.device, tmp)
     base = build_model(sizes.decode_model, sizes.device, torch.float32).train()
     ids = torch.randint(0, base.config.vocab_size, (2, 32), device=sizes.device,
                         generator=torch.Generator(sizes.device).manual_seed(11))
@@ -941,6 +986,75 @@ def section_autocast(sizes: Sizes) -> dict[str, Any]:
         problems.append(f"gradients: {report['grad_dtypes']}, {report['grads']}")
     if problems:
         raise AssertionError("; ".join(problems))
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# m. a training step under CUDA's sync-debug mode
+# ----------------------------------------------------------------------------------------------------------------
+
+SYNC_DEBUG_SKIPPED = "skipped: the CPU has no sync-debug mode (the same steps ran without it)"
+
+
+def _quiet_step(model, optimizer, ids) -> Any:
+    """One step (forward, backward, clipping, ZeRO-1 fused AdamW); the loss stays on the device (reading it
+    would synchronise)."""
+    import hf_hybrid_ep as hep
+
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    hep.clip_grad_norm_(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _under_sync_debug(mode: str, step: Callable[[], object]) -> tuple[list[str], str | None]:
+    """``step()`` under ``torch.cuda.set_sync_debug_mode(mode)``: the Python lines of the synchronising calls it
+    warned about (``"warn"``) and the error it raised (``"error"``: the first synchronising call), or ``None``."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            step()
+            error = None
+        except RuntimeError as err:
+            error = f"{err}\n{traceback.format_exc()[-1500:]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    return sites, error
+
+
+def section_sync_debug(sizes: Sizes, tmp: Path) -> dict[str, Any]:
+    """A ZeRO-1 model at world 1 (the one-rank NCCL group of section c, whose collectives never wait on the host):
+    after a warm-up step, one step under sync-debug ``"warn"`` (listing every synchronising call) and one under
+    ``"error"``, which must finish: a step reads nothing back to the host (gloo's CUDA collectives do, on their
+    own threads, so the multi-rank sections cannot run this)."""
+    import torch
+
+    import hf_hybrid_ep as hep
+
+    report: dict[str, Any] = {"process_group": init_world_of_one(sizes.device, tmp)}
+    config = hep.HybridEPConfig(optimizer_sharding="zero1")
+    model = hep.parallelize(build_model(sizes.decode_model, "cpu", torch.float32).train(), config)
+    optimizer = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), device=sizes.device,
+                        generator=torch.Generator(sizes.device).manual_seed(13))
+    losses = [_quiet_step(model, optimizer, ids)]  # warm-up: the optimizer's state, the allocator's blocks
+    if sizes.device != "cuda":
+        losses.append(_quiet_step(model, optimizer, ids))
+        return {**report, "mode": SYNC_DEBUG_SKIPPED, "losses": [float(x) for x in losses]}
+    report["warn_sites"], _ = _under_sync_debug("warn", lambda: losses.append(_quiet_step(model, optimizer, ids)))
+    report["warned"] = len(report["warn_sites"])
+    _, report["error"] = _under_sync_debug("error", lambda: losses.append(_quiet_step(model, optimizer, ids)))
+    report.update(mode="error", losses=[float(x) for x in losses])
+    if report["error"] is not None:
+        raise AssertionError(f"a step under sync-debug 'error' synchronised: {report['error']}; every synchronising "
+                             f"call of the step under 'warn': {report['warn_sites']}")
     return report
 
 
@@ -990,7 +1104,7 @@ def markdown(report: dict[str, Any]) -> str:
         if r["status"] != "ok":
             lines += ["```", r["error"].strip(), "```"]
             continue
-        lines += SECTION_TABLES[name](r)
+        lines += SECTION_TABLES.get(name, _ranks_table if "ranks" in r else _figure_table)(r)
     return "\n".join(lines) + "\n"
 
 
@@ -1074,6 +1188,25 @@ def _figure_table(r: dict) -> list[str]:
     return lines
 
 
+def _flat(figures: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested figures as ``a.b.c`` keys; lists longer than 8 items left out."""
+    out: dict[str, Any] = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        elif not (isinstance(value, list | tuple) and len(value) > 8):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _ranks_table(r: dict) -> list[str]:
+    """A multi-rank section: every figure of each rank, one column per rank."""
+    ranks = [_flat(figures or {}) for figures in r["ranks"]]
+    names = list(dict.fromkeys(k for figures in ranks for k in figures))
+    lines = ["| figure | " + " | ".join(f"rank {i}" for i in range(len(ranks))) + " |", "|---" * (len(ranks) + 1) + "|"]
+    return lines + [f"| {n} | " + " | ".join(_fmt(f.get(n)) for f in ranks) + " |" for n in names]
+
+
 SECTION_TABLES: dict[str, Callable[[dict], list[str]]] = {
     "a_dispatch_kernels": _kernel_tables,
     "b_experts_implementation": _experts_tables,
@@ -1081,6 +1214,7 @@ SECTION_TABLES: dict[str, Callable[[dict], list[str]]] = {
     "d_offloaded_decoding": _decode_tables,
     "e_save_resume": _figure_table,
     "f_autocast": _figure_table,
+    "m_sync_debug": _figure_table,
 }
 
 
@@ -1088,7 +1222,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=".", help="where gpu_check.json and gpu_check.md go")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter, fp32 only")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated letters of the sections to run (g runs g-l, the 4-rank job); "
+                             "default: all")
     return parser.parse_args(argv)
+
+
+def chosen(functions: dict[str, Callable], letters: str | None) -> dict[str, Callable]:
+    """The sections whose first letter is in ``letters`` (the 4-rank job, key ``ranks``, answers to ``g``)."""
+    if letters is None:
+        return functions
+    wanted = {x.strip() for x in letters.split(",") if x.strip()}
+    first = {name: "g" if name == "ranks" else name[0] for name in functions}
+    unknown = wanted - set(first.values())
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown sections {sorted(unknown)}; choose from {sorted(set(first.values()))}")
+    return {name: fn for name, fn in functions.items() if first[name] in wanted}
+
+
+def section_functions(sizes: Sizes, tmp: Path) -> dict[str, Callable[[], dict[str, Any]]]:
+    """The sections in their order; ``ranks`` returns the multi-rank sections (g to l) under ``"sections"``."""
+    from benchmarks.gpu_check_ranks import run_ranks
+
+    return {
+        "a_dispatch_kernels": lambda: section_dispatch_kernels(sizes),
+        "b_experts_implementation": lambda: section_experts_implementation(sizes),
+        "c_engine": lambda: section_engine(sizes, tmp),
+        "d_offloaded_decoding": lambda: section_offloaded_decoding(sizes, tmp),
+        "e_save_resume": lambda: section_save_resume(sizes, tmp),
+        "f_autocast": lambda: section_autocast(sizes, tmp),
+        "ranks": lambda: {"sections": run_ranks(sizes, tmp)},
+        "m_sync_debug": lambda: section_sync_debug(sizes, tmp),
+    }
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out_dir / "gpu_check.md").write_text(markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1103,21 +1273,15 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
-        sections = {
-            "a_dispatch_kernels": lambda: section_dispatch_kernels(sizes),
-            "b_experts_implementation": lambda: section_experts_implementation(sizes),
-            "c_engine": lambda: section_engine(sizes, Path(tmp)),
-            "d_offloaded_decoding": lambda: section_offloaded_decoding(sizes, Path(tmp)),
-            "e_save_resume": lambda: section_save_resume(sizes, Path(tmp)),
-            "f_autocast": lambda: section_autocast(sizes),
-        }
         report = {"meta": meta(sizes), "sections": {}}
-        for name, fn in sections.items():
-            report["sections"][name] = result = run_section(fn)
-            print(f"gpu_check: {name}: {result['status']} ({result['seconds']:.1f} s)", flush=True)
+        for name, fn in chosen(section_functions(sizes, Path(tmp)), args.sections).items():
+            result = run_section(fn)
+            found = result.pop("sections", None)  # the multi-rank job reports several sections at once
+            for section, r in (found or {name: result}).items():
+                report["sections"][section] = r
+                print(f"gpu_check: {section}: {r['status']} ({r['seconds']:.1f} s)", flush=True)
+            write_report(report, out_dir)  # after every section: a run cut short keeps what it finished
     close_process_group()
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (out_dir / "gpu_check.md").write_text(markdown(report))
     print(f"gpu_check: wrote {out_dir / 'gpu_check.json'} and {out_dir / 'gpu_check.md'}; {NCCL_NOTE}")
     return 0 if all(r["status"] == "ok" for r in report["sections"].values()) else 1
 

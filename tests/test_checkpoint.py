@@ -215,10 +215,11 @@ def test_saving_streams_one_layer_at_a_time_and_no_rank_waits_long(pools, tmp_pa
     # All the experts of a real model gathered at once do not fit on a GPU (≈58 GB of bf16 per rank for
     # Qwen3-30B-A3B), and NCCL's watchdog kills a rank that waits in one collective longer than the process
     # group's timeout (10 minutes by default) while rank 0 writes. Rank 0's writes are slowed here (every
-    # file opened or closed, fsync, rename, index) so that the save takes many write points × delay.
+    # file opened or closed, fsync, rename, index) so that the save takes many write points × delay, and the
+    # waits are measured in write points, not seconds.
     from hf_hybrid_ep.checkpoint.manifest import is_complete
 
-    delay = 0.15
+    delay = 0.2
     results = pools(2).run(cases.save_costs, str(tmp_path / "ckpt"), delay)
     assert is_complete(tmp_path / "ckpt") and results[0]["write_points"] >= 10, results[0]
     for rank, r in enumerate(results):
@@ -227,7 +228,6 @@ def test_saving_streams_one_layer_at_a_time_and_no_rank_waits_long(pools, tmp_pa
         # also holds the module it writes and the reverse conversion's copies of it: host memory on a GPU
         # machine, counted here too (the CPU is both).
         assert r["peak_bytes"] <= (3 if rank == 0 else 1) * r["layer_bytes"], (rank, r)
-        assert r["seconds"] >= results[0]["write_points"] * delay, (rank, r)
-        # one wait for the whole save would last about ``seconds``; heartbeats bound each wait to a few write points
-        # (a quarter of the save allows for a loaded machine, where 0.73 s was measured against 0.15 s points)
-        assert r["longest_wait"] <= max(3 * delay, r["seconds"] / 4), (rank, r)
+        # one wait for the whole save would span every write point; heartbeats (every 0.05 s) cut the waits into many,
+        # each spanning a few (half the save allows a loaded machine: a 0.73 s wait was measured there, 4 points)
+        assert r["waits"] >= 4 and r["most_points_in_one_wait"] <= results[0]["write_points"] // 2, (rank, r)

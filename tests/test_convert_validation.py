@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_fixtures import save_source
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
@@ -201,10 +202,36 @@ def test_unmodified_checkpoints_still_convert(sources, tmp_path, family, dtype):
         assert index.hybrid_ep.dtype == "bfloat16"
 
 
+class _TensorOps(TorchDispatchMode):
+    """The devices of every tensor an ATen op inside reads or makes, and the number of ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.devices = 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.devices.update(str(t.device) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        return out
+
+
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_validation_of_a_tiny_model_is_fast(sources, family):
+def test_validation_reads_no_tensor_data_and_reverses_each_fused_tensor_once(sources, family, monkeypatch):
+    """What keeps validation cheap at any size, counted: every tensor op it runs is on the meta device (shapes
+    only, no data read or made), and each converter's reverse runs once per model tensor the checkpoint fills
+    through it (the tensors it does not name directly), not once per key."""
+    from transformers.core_model_loading import WeightConverter
+
     model = model_experts(sources[family]).model
     specs = read_index(sources[family]).specs
-    start = time.perf_counter()
-    validate_against_model(model, specs, str(sources[family]))
-    assert time.perf_counter() - start < 1.0
+    reversals = []
+    real = WeightConverter.reverse_transform
+    monkeypatch.setattr(WeightConverter, "reverse_transform", lambda self: reversals.append(self) or real(self))
+    with _TensorOps() as ops:
+        validate_against_model(model, specs, str(sources[family]))
+    assert ops.devices <= {"meta"}, ops.devices
+    fused = [f"{name}.{p}" for name, module in hep.find_experts_modules(model)  # combined from per-expert keys
+             for p, _ in module.named_parameters(recurse=False) if f"{name}.{p}" not in specs]
+    assert len(fused) == {"mixtral": 4, "gpt_oss": 0}[family], fused  # GPT-OSS checkpoints hold them fused
+    assert len(reversals) == len(fused), (len(reversals), fused)

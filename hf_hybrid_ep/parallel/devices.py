@@ -2,7 +2,8 @@
 
 Under NCCL a rank computes on ``cuda:LOCAL_RANK`` (the launchers' convention; the device the process group is
 bound to when it was created with ``device_id``; ``cuda:0`` when a process sees one GPU only), under gloo on
-the CPU. :func:`hf_hybrid_ep.parallelize` makes that device current and moves the model there, so a model
+the CPU, or on the GPU a gloo group was bound to (``init_process_group("gloo", device_id=...)``: several ranks
+sharing one GPU, gloo carrying CUDA tensors through host memory). :func:`hf_hybrid_ep.parallelize` makes that device current and moves the model there, so a model
 built or loaded on the CPU trains as written; a model already on another GPU is refused, naming the devices.
 """
 
@@ -39,7 +40,8 @@ def cuda_device_for(rank: int, visible: int) -> torch.device:
 
 
 def rank_device(device_type: str) -> torch.device:
-    """This rank's device for a mesh of ``device_type`` (``"cuda"`` under NCCL, ``"cpu"`` under gloo)."""
+    """This rank's device for a mesh of ``device_type`` (``"cuda"`` under NCCL or a GPU-bound gloo group, ``"cpu"``
+    under gloo)."""
     if device_type != "cuda":
         return torch.device(device_type)
     bound = getattr(dist.group.WORLD, "bound_device_id", None) if dist.is_initialized() else None

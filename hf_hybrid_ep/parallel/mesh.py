@@ -126,10 +126,13 @@ class HybridMesh:
 
 
 def default_device_type() -> str:
-    """``"cuda"`` when the default process group runs NCCL, else ``"cpu"`` (gloo)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return "cuda"
-    return "cpu"
+    """``"cuda"`` when the default process group runs NCCL, or runs gloo bound to a CUDA device
+    (``init_process_group("gloo", device_id=torch.device("cuda", i))``: gloo carries CUDA tensors through host
+    memory, so several ranks can share one GPU, which NCCL refuses); else ``"cpu"`` (gloo)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return "cpu"
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return "cuda" if dist.get_backend() == "nccl" or (bound is not None and bound.type == "cuda") else "cpu"
 
 
 def world_size(*, launched: bool = False) -> int:
@@ -159,7 +162,8 @@ def _group_options(device_type: str, timeout: timedelta | None) -> dict:
     """``init_device_mesh``'s ``backend_override`` giving both mesh dimensions' groups ``timeout``."""
     if timeout is None:
         return {}
-    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    nccl = device_type == "cuda" and dist.get_backend() == "nccl"
+    options = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     return {"edp": options, "ep": options}
 

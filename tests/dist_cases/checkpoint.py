@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -273,22 +275,22 @@ class _LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
 
-def _timed_collectives(durations: list[float]) -> contextlib.AbstractContextManager:
-    """Record the seconds every ``torch.distributed`` collective call inside takes (the library looks them up
-    per call)."""
+def _spans_of_collectives(spans: list[int], points_done: Callable[[], int]) -> contextlib.AbstractContextManager:
+    """Record, for every ``torch.distributed`` collective call inside, how many of rank 0's write points passed
+    while it waited (``points_done()`` before and after; the library looks the collectives up per call)."""
     names = ("broadcast", "barrier", "all_reduce", "all_gather_into_tensor", "all_gather_single",
              "broadcast_object_list", "all_gather_object", "all_to_all_single", "reduce_scatter_tensor")
 
     @contextlib.contextmanager
-    def timed():
+    def counted():
         saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
         for n, real in saved.items():
             def wrapper(*args, _real=real, **kwargs):
-                start = time.perf_counter()
+                before = points_done()
                 try:
                     return _real(*args, **kwargs)
                 finally:
-                    durations.append(time.perf_counter() - start)
+                    spans.append(points_done() - before)
             setattr(dist, n, wrapper)
         try:
             yield
@@ -296,14 +298,15 @@ def _timed_collectives(durations: list[float]) -> contextlib.AbstractContextMana
             for n, real in saved.items():
                 setattr(dist, n, real)
 
-    return timed()
+    return counted()
 
 
 def save_costs(directory: str, write_delay: float) -> dict:
     """One save of a tiny Qwen3-MoE (4 layers, every one MoE) at ep = world, with rank 0's every write point (a file
-    opened or closed, an fsync, a rename, the index) slowed by ``write_delay`` seconds: this rank's peak bytes
-    of tensors allocated during the save, one MoE layer's and all layers' expert bytes (unsharded), the
-    longest single collective call on this rank, the save's seconds and rank 0's write points."""
+    opened or closed, an fsync, a rename, the index) slowed by ``write_delay`` seconds and counted in a file every
+    rank reads: this rank's peak bytes of tensors allocated during the save, one MoE layer's and all layers' expert
+    bytes (unsharded), this rank's collective calls during the save and the most write points one of them spanned,
+    and rank 0's write points."""
     from tiny_models import build_tiny_model
 
     from hf_hybrid_ep.checkpoint import safetensors_io
@@ -317,20 +320,28 @@ def save_costs(directory: str, write_delay: float) -> dict:
     layers = hep.state_of(model).layers
     layer_bytes = [sum(p.numel() * p.element_size() for p in layer.expert_parameters()) * layer.num_experts
                    // len(layer.local_experts) for layer in layers]
-    points: list[str] = []
+    counter = Path(f"{directory}.write-points")  # one byte per write point of rank 0
+
+    def point(name: str) -> None:
+        with counter.open("ab") as f:
+            f.write(b".")
+        time.sleep(write_delay)
+
     if rank == 0:
-        safetensors_io._write_point = lambda name: (points.append(name), time.sleep(write_delay))
+        counter.write_bytes(b"")
+        safetensors_io._write_point = point
+    dist.barrier()
     heartbeat.INTERVAL_S, interval = 0.05, heartbeat.INTERVAL_S
-    waits: list[float] = []
+    spans: list[int] = []
     memory = _LiveBytes()
-    start = time.perf_counter()
     try:
-        with _timed_collectives(waits), memory:
+        with _spans_of_collectives(spans, lambda: counter.stat().st_size), memory:
             save_hybrid_checkpoint(model, directory)
     finally:
         safetensors_io._write_point, heartbeat.INTERVAL_S = None, interval
+    dist.barrier()
     return {"peak_bytes": memory.peak, "layer_bytes": max(layer_bytes), "all_layers_bytes": sum(layer_bytes),
-            "longest_wait": max(waits), "seconds": time.perf_counter() - start, "write_points": len(points)}
+            "waits": len(spans), "most_points_in_one_wait": max(spans), "write_points": counter.stat().st_size}
 
 
 def resume_another_model(directory: str) -> dict:
