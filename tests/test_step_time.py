@@ -260,7 +260,7 @@ def test_bad_step_time_arguments_name_the_value() -> None:
     good = {"tokens_per_step": 8 * 4096, "seq_len": 4096}
     for bad, name in [({"tokens_per_step": 8 * 4096 + 1}, "tokens_per_step=32769"), ({"efficiency": 0.0}, "efficiency"),
                       ({"device_flops": float("nan")}, "device FLOP/s"), ({"memory_gbps": -3.0}, "-3.0"),
-                      ({"optimizer_sharding": "zero3"}, "'zero3'")]:
+                      ({"optimizer_sharding": "zero3"}, "'zero3'"), ({"dispatcher": "hierarchical"}, "'hierarchical'")]:
         with pytest.raises(HybridEPConfigError, match=name):
             predict_step_time(m, 2, 4, MIXTRAL_TOPO, **{**good, **bad})
     with pytest.raises(HybridEPConfigError, match="ep=3"):

@@ -29,14 +29,18 @@ backward of one layer:
   tokens' gradients);
 * ``triton``: ``P · 8 h + T · 2 h`` — the fused kernels' loads and stores (not measurable by the ATen counter);
 * ``dedup``: per deduplicating stage (``I`` rows in, ``O`` rows out, ``M`` members: ``T, R, ep`` inside one
-  node; ``T, R_A, N`` then ``R_A, R, g`` across nodes) ``O · (12 h + 8 k b + 8 k + 16) + I · M · (10 h + 18) +
+  node; ``T, R_A, N`` then ``R_A, R, g`` across nodes) ``O · (12 h + 8 k b + 8 k + 16) + I · M · (10 h + 34) +
   I · 2 h`` — the rows picked, packed with their weights and keys, unpacked, and the sums of each input row's
   returned rows (a gather of ``M`` rows per input row, zeroed where it has none, and their sum), both ways —
-  and at the destination ``C · (11 h + 26 + 2 b) + P · (6 h + 40) + R · 3 h`` — the fan-out, the partial sums
+  and at the destination ``C · (11 h + 25 + 2 b) + P · (6 h + 24) + R · 3 h`` — the fan-out, the partial sums
   (a gather of ``k`` cells per row, zeroed where the cell holds no pair, and a batched product) and their
-  backwards.
+  backwards. At Qwen3-30B-A3B, EP 8 in one node (``R = 5.3``, ``C = 43``): ``681 h`` against ``123 h`` (torch)
+  and ``66 h`` (triton).
 
-Activation checkpointing runs each forward once more. Seconds: link bytes at the topology's bandwidth per level
+The integer bookkeeping (sorting keys, inverse permutations, the row grids: tens of bytes per pair and per
+(token, member) cell) is left out: 1–3% of the counted bytes at ``h = 1 KiB``, less above. An EP group of one
+rank adds a copy of the rows in each of its exchanges (``2 · rows · h`` each). Activation checkpointing runs each
+forward once more. Seconds: link bytes at the topology's bandwidth per level
 (an exchange's levels run concurrently, ``max(intra, inter + cross-rack)``; the deduplicated exchange's two
 stages one after the other: their sum) plus memory bytes at the device's memory bandwidth.
 """

@@ -50,7 +50,7 @@ Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planning.plann
   Qwen3-30B-A3B, EP 8 in one node). Serial with the compute (``exchange_memory_s``), never hidden;
 * ``dispatcher="auto"`` models what the engine picks on CUDA: the per-pair exchange with the fused kernels
   or the deduplicated one, whichever :func:`hf_hybrid_ep.dispatch.cost.cheaper_exchange` predicts faster for
-  the layout (links and memory together);
+  the layout (links and memory together, memory at the engine's CUDA figure whatever ``memory_gbps`` says);
 * gradient reduction, once per step (gradient accumulation reduces on the last micro-batch only):
   dense gradients (``P_dense · b_g``) over the world, expert gradients (``P_experts/ep · b_g``) over
   the EDP group of dp ranks, hierarchical ring all-reduces (a reduce-scatter — half the bytes — with
@@ -90,7 +90,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import DENSE_SHARDINGS, DISPATCHER_BACKENDS, OPTIMIZER_SHARDINGS, check_int
-from ..dispatch.cost import ExchangeShape, cheaper_exchange, link_bytes, link_seconds, memory_bytes
+from ..dispatch.cost import (
+    MEMORY_GBPS,
+    ExchangeShape,
+    cheaper_exchange,
+    link_bytes,
+    link_seconds,
+    memory_bytes,
+)
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
 from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes, trained_params
@@ -294,13 +301,14 @@ def exchange_shape(counts: ModelCounts, topo: Topology, ep: int, b_a: int) -> Ex
     return ExchangeShape(counts.num_experts, counts.top_k, ep, g, in_rack, counts.hidden, b_a)
 
 
-def modelled_exchange(dispatcher: str, shape: ExchangeShape, topo: Topology, memory_gbps: float) -> str:
+def modelled_exchange(dispatcher: str, shape: ExchangeShape, topo: Topology) -> str:
     """The exchange ``dispatcher`` runs: ``"torch"``, ``"triton"`` or ``"dedup"`` as given; ``"auto"`` as the engine
     picks it on CUDA, the devices this model plans for: the per-pair exchange with the fused Triton kernels or the
-    deduplicated one, whichever :func:`hf_hybrid_ep.dispatch.cost.cheaper_exchange` predicts faster here."""
+    deduplicated one, whichever :func:`hf_hybrid_ep.dispatch.cost.cheaper_exchange` predicts faster at these links
+    and the engine's CUDA memory figure (:data:`hf_hybrid_ep.dispatch.cost.MEMORY_GBPS`)."""
     if dispatcher != "auto":
         return dispatcher
-    return cheaper_exchange(shape, "triton", topo, memory_gbps)[0] if shape.ep > 1 else "triton"
+    return cheaper_exchange(shape, "triton", topo, MEMORY_GBPS["cuda"])[0] if shape.ep > 1 else "triton"
 
 
 def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, micro_batches: int, b_a: int,
@@ -311,7 +319,7 @@ def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, m
     the compute dtype (``b_a``)."""
     exchanges = 6 if activation_checkpointing else 4
     shape = exchange_shape(counts, topo, ep, b_a)
-    backend = modelled_exchange(dispatcher, shape, topo, memory_gbps)
+    backend = modelled_exchange(dispatcher, shape, topo)
     layer_tokens = tokens * counts.moe_layers
     a2a = {level: b * layer_tokens for level, b in link_bytes(shape, backend, activation_checkpointing).items()}
     a2a_by_level = _seconds(a2a, topo)
