@@ -6,8 +6,8 @@ writes: a gather (``index_select``, ``index``, ``gather``) reads the rows it pic
 whole source; an in-place scatter (``index_add_``, ``index_copy_``, ``index_fill_``, ``scatter_add_``) reads and
 writes the rows it touches; ``copy_`` reads its source and writes as much; a fill writes its output; ``empty``
 and views (outputs that share an input's storage) move nothing; every other op reads its inputs (a broadcast
-input once: its distinct elements) and writes its outputs (an ``out=`` tensor is an output). Collectives (``c10d``) are the link's bytes, counted
-by :class:`~hf_hybrid_ep.dispatch.stats.CommStats`, not here.
+input once: its distinct elements) and writes its outputs (an ``out=`` tensor is an output). Collectives
+(``c10d``) are the link's bytes, counted by :class:`~hf_hybrid_ep.dispatch.stats.CommStats`, not here.
 
 :class:`LargestTensor` records the largest storage an op creates inside it: a temporary that grows with the
 work of a call shows there.
