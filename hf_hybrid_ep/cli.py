@@ -86,11 +86,12 @@ def _add_plan_command(sub) -> None:
                    "(instead of --device-tflops × --efficiency); link bandwidths still come from --topology")
     p.add_argument("--calibrate-seconds", type=float, default=10.0, help="time budget of --calibrate, in (0, 30]")
     p.add_argument("--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s for the "
-                   "optimizer term (default 3350: H100 SXM)")
-    p.add_argument("--dispatcher", choices=[b for b in DISPATCHER_BACKENDS if b != "triton"], default="auto",
-                   help="the token exchange to model, as HybridEPConfig.dispatcher (auto, like the engine: dedup — "
-                   "one row per token and destination — where it sends fewer bytes, one row per token and expert "
-                   "elsewhere)")
+                   "optimizer and the token exchange's gathers (default 3350: H100 SXM)")
+    p.add_argument("--dispatcher", choices=DISPATCHER_BACKENDS, default="auto",
+                   help="the token exchange to model, as HybridEPConfig.dispatcher: torch / triton (one row per token "
+                   "and expert; unfused gathers / the fused kernels), dedup (one row per token and destination) or "
+                   "auto (like the engine on CUDA: whichever of triton and dedup is predicted faster, links and the "
+                   "gathers' memory traffic together)")
     p.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank only: the base is "
                    "frozen (weights only), gradients and optimizer state are the adapters'")
     p.add_argument("--lora-target-modules", default=None, help="comma-separated dense modules (default: "

@@ -22,13 +22,6 @@ from .parallel.topology import Topology, ranks_per_node
 ENV_PREFIX = "HF_HYBRID_EP_"
 
 DISPATCHER_BACKENDS = ("auto", "torch", "triton", "dedup")
-
-
-def auto_deduplicates(device_type: str, ep_degree: int, nodes: int, top_k: int, slots_per_rank: int) -> bool:
-    """Whether ``dispatcher="auto"`` runs the deduplicated exchange: an EP group over several nodes, or on CUDA a
-    token that can have several of its ``top_k`` experts on one rank (inside one CPU node the per-pair exchange
-    was measured faster, docs/benchmarks.md)."""
-    return ep_degree > 1 and (nodes > 1 or (device_type == "cuda" and top_k >= 2 and slots_per_rank >= 2))
 PLACEMENTS = ("contiguous",)
 DROP_POLICIES = ("probs", "position")
 OPTIMIZER_SHARDINGS = ("none", "zero1")
@@ -108,10 +101,11 @@ class HybridEPConfig:
             ``"dedup"`` (one row per token and destination rank, carrying its routing weights; the
             destination returns one partial sum per row; when an EP group spans nodes, a token crosses to
             each node once, to the rank with its local index there, and is relayed inside the node the
-            same way) or ``"auto"`` (dedup wherever it sends fewer bytes: the EP group spans nodes of the
-            topology or of ``LOCAL_WORLD_SIZE`` ranks, or top-k ≥ 2 with more than one expert per rank;
-            else Triton on CUDA when importable, else torch; the choice and its reason are logged). A
-            requested backend that cannot run is an error with the reason.
+            same way) or ``"auto"`` (whichever of dedup and the per-pair exchange — Triton on CUDA when
+            importable, else torch — a cost model predicts faster for the layout and device: the bytes on the
+            topology's links and the bytes the gathers move in memory, ``hf_hybrid_ep.dispatch.cost``; the
+            choice and both predicted times are logged). A requested backend that cannot run is an error with
+            the reason.
         placement: ``"contiguous"`` (EP rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``), or an explicit
             table: a list over EP ranks of the global expert ids each rank holds, e.g.
             ``[[0, 3], [1, 2]]``; an expert listed on several ranks is replicated. One table serves every

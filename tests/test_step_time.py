@@ -69,11 +69,15 @@ def _hand(c: dict, dp: int, ep: int, gpus_per_node: int, efficiency: float) -> d
     reduce = dense_intra / NVLINK + (dense_inter + expert_inter) / NIC
     window = compute * 2 / 3 / micro_batches  # backward of the last micro-batch
     optimizer = (c["dense"] + c["experts"] / ep) * (2 * (2 + 12) + 2) / 3350e9
-    step = compute + a2a + max(0.0, reduce - window) + optimizer
+    # the unfused per-pair gathers (dispatcher "torch"): per token and layer k·(15h + 40) + 3h bytes read and
+    # written, h = H · 2 (docs/planner.md), at the same 3350 GB/s
+    h = c["H"] * 2
+    gathers = T * c["L"] * (c["k"] * (15 * h + 40) + 3 * h) / 3350e9
+    step = compute + gathers + a2a + max(0.0, reduce - window) + optimizer
     return {"T": T, "flops": flops, "compute": compute, "forward": compute / 3, "a2a_intra": a2a_intra,
             "a2a_inter": a2a_inter, "a2a": a2a, "dense_intra": dense_intra, "dense_inter": dense_inter,
             "expert_inter": expert_inter, "reduce": reduce, "window": window, "hidden": min(reduce, window),
-            "optimizer": optimizer, "step": step, "samples_per_s": TOKENS / SEQ / step, "cross_a2a_s": a2a_inter / NIC}
+            "optimizer": optimizer, "gathers": gathers, "step": step, "samples_per_s": TOKENS / SEQ / step, "cross_a2a_s": a2a_inter / NIC}
 
 
 REFERENCES = {
@@ -112,6 +116,7 @@ def test_reference_runs_match_a_hand_computation(name: str, efficiency: float) -
             approx(h["reduce"]), approx(h["window"]), approx(h["hidden"]))
         assert s.grad_reduce_exposed_s == approx(h["reduce"] - h["hidden"])
         assert (s.zero1_gather_s, s.fsdp_gather_s) == (0, 0)
+        assert s.dispatcher == "torch" and s.exchange_memory_s == approx(h["gathers"])
         assert (s.optimizer_s, s.step_s, s.samples_per_s) == (approx(h["optimizer"]), approx(h["step"]),
                                                               approx(h["samples_per_s"]))
     result = compare(steps[dp], steps[1])
@@ -131,15 +136,16 @@ def test_reference_runs_match_a_hand_computation(name: str, efficiency: float) -
     #   9.66 GFLOP/token on top of 18.25, so r_x = 2.23 at 100 % and 0.89 at 40 % instead of ≈ 3.2 and 1.3
     #   (outside ±30 %); without attention it is 3.41 / 1.36 (3.09 / 1.24 with the lookup counted as the
     #   estimates do). Mixtral: r_x = 0.250 / 0.100 (0.271 / 0.108 without attention), inside ±30 % either way.
-    # Predicted hybrid / pure EP samples/s (both layouts as if they fit, no sharding): fine-grained 2.23 at
-    # 100 %, 1.61 at 40 %; coarse 1.19 and 1.08.
+    # Predicted hybrid / pure EP samples/s (both layouts as if they fit, no sharding, the unfused per-pair
+    # gathers: 1.89 s per step at fine-grained, 1.35 s at coarse, the same in both layouts): fine-grained 2.04 at
+    # 100 %, 1.56 at 40 %; coarse 1.19 and 1.08.
     est_t_star, est_over, est_r100, est_r40 = estimates
     assert result["T_star"] == pytest.approx(est_t_star, rel=0.3)
     assert result["T_over_T_star"] == pytest.approx(est_over, rel=0.3)
     matmul_only = pure["cross_a2a_s"] / (T * steps[1].matmul_flops_per_token / (PEAK * efficiency))
     assert matmul_only == pytest.approx(est_r100 if efficiency == 1 else est_r40, rel=0.3)
-    verified = {("fine-grained", 1.0): (2.229, 2.227), ("fine-grained", 0.4): (0.8916, 1.610),
-                ("coarse", 1.0): (0.2501, 1.192), ("coarse", 0.4): (0.1000, 1.0815)}[name, efficiency]
+    verified = {("fine-grained", 1.0): (2.229, 2.043), ("fine-grained", 0.4): (0.8916, 1.561),
+                ("coarse", 1.0): (0.2501, 1.187), ("coarse", 0.4): (0.1000, 1.0805)}[name, efficiency]
     assert (result["r_x"], result["ratio"]) == (pytest.approx(verified[0], rel=1e-3), pytest.approx(verified[1], rel=1e-3))
 
 
@@ -160,7 +166,11 @@ def test_checkpointing_and_zero1_terms() -> None:
     assert s.zero1_gather_s == approx(gather)
     assert s.grad_hide_window_s == approx((2 / 3 + 1 / 3) * plain["compute"] / (TOKENS // 16 // SEQ))
     assert s.optimizer_params == math.ceil(c["dense"] / 16) + c["experts"] // 8 // 2
-    assert s.step_s == approx(s.compute_s + s.a2a_s + s.grad_reduce_exposed_s + gather + s.optimizer_s)
+    # the gathers' forward runs twice with checkpointing: k·(5h + 16) + h bytes forward, k·(10h + 24) + 2h backward
+    k, h = c["k"], c["H"] * 2
+    gathers = (TOKENS // 16) * c["L"] * (2 * (k * (5 * h + 16) + h) + k * (10 * h + 24) + 2 * h) / 3350e9
+    assert s.exchange_memory_s == approx(gathers)
+    assert s.step_s == approx(s.compute_s + gathers + s.a2a_s + s.grad_reduce_exposed_s + gather + s.optimizer_s)
     # FSDP2: the dense weights are gathered for forward and backward of each of the 64 micro-batches
     f = predict_step_time(m, 2, 8, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, device_flops=PEAK,
                           dense_sharding="fsdp")
@@ -256,7 +266,7 @@ def test_bad_step_time_arguments_name_the_value() -> None:
     good = {"tokens_per_step": 8 * 4096, "seq_len": 4096}
     for bad, name in [({"tokens_per_step": 8 * 4096 + 1}, "tokens_per_step=32769"), ({"efficiency": 0.0}, "efficiency"),
                       ({"device_flops": float("nan")}, "device FLOP/s"), ({"memory_gbps": -3.0}, "-3.0"),
-                      ({"optimizer_sharding": "zero3"}, "'zero3'")]:
+                      ({"optimizer_sharding": "zero3"}, "'zero3'"), ({"dispatcher": "hierarchical"}, "'hierarchical'")]:
         with pytest.raises(HybridEPConfigError, match=name):
             predict_step_time(m, 2, 4, MIXTRAL_TOPO, **{**good, **bad})
     with pytest.raises(HybridEPConfigError, match="ep=3"):
@@ -307,13 +317,28 @@ def test_deduplicated_dispatcher_terms_match_a_hand_computation(capsys: pytest.C
     assert plain.dispatcher == "torch" and plain.a2a_bytes["inter_node"] == pytest.approx(k * T * H * b * L * 4 / 2)
     assert s.a2a_bytes["inter_node"] / plain.a2a_bytes["inter_node"] == pytest.approx(0.25, abs=0.002)
     # EP 8 inside a node with 16 experts per rank and top-8: one row per token and other rank
-    auto = predict_step_time(m, 2, 8, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, dispatcher="auto")
+    runs = {d: predict_step_time(m, 2, 8, QWEN_TOPO, tokens_per_step=TOKENS, seq_len=SEQ, dispatcher=d)
+            for d in ("triton", "dedup", "auto")}
     one_rank = 1 - math.comb(112, 8) / math.comb(128, 8)
-    assert auto.dispatcher == "dedup" and auto.a2a_bytes["inter_node"] == 0
-    assert auto.a2a_bytes["intra_node"] == pytest.approx(one_rank * (TOKENS // 16) * row * 7, rel=1e-12)
-    assert cli(PLAN[:-2] + ["--json"]) == 0  # plan's default, auto, mirrors the engine
+    assert runs["dedup"].a2a_bytes["inter_node"] == 0
+    assert runs["dedup"].a2a_bytes["intra_node"] == pytest.approx(one_rank * (TOKENS // 16) * row * 7, rel=1e-12)
+    # auto models the faster of the two: the deduplicated rows save a third of the NVLink bytes, but their gathers
+    # move 10x the fused kernels' bytes in memory (docs/planner.md)
+    assert runs["dedup"].a2a_s < runs["triton"].a2a_s
+    assert runs["dedup"].exchange_memory_s > 10 * runs["triton"].exchange_memory_s
+    assert runs["auto"].dispatcher == "triton" and runs["auto"].step_s == runs["triton"].step_s < runs["dedup"].step_s
+    # pure EP 16 over two nodes of 100 Gbit/s NICs: the cross-node saving outweighs the gathers
+    slow = "gpus_per_node=8,nvlink_gbps=450,network_gbps=12.5"
+    across = {d: predict_step_time(m, 1, 16, slow, tokens_per_step=TOKENS, seq_len=SEQ, dispatcher=d)
+              for d in ("triton", "dedup", "auto")}
+    assert across["auto"].dispatcher == "dedup" and across["auto"].step_s == across["dedup"].step_s
+    assert across["dedup"].step_s < across["triton"].step_s
+    assert cli(PLAN[:-2] + ["--json"]) == 0  # plan's default, auto, mirrors the engine on CUDA
     layouts = {(q["dp"], q["ep"]): q["step_time"] for q in json.loads(capsys.readouterr().out)["layouts"]}
-    assert layouts[(1, 16)]["dispatcher"] == "dedup" and layouts[(2, 8)]["dispatcher"] == "dedup"
-    assert layouts[(16, 1)]["dispatcher"] == "torch"
-    assert cli(PLAN[:-2]) == 0
-    assert "one row per token and destination node and rank for " in capsys.readouterr().out
+    assert {layout: t["dispatcher"] for layout, t in layouts.items()} == dict.fromkeys(layouts, "triton")
+    at_slow = [slow if arg == QWEN_TOPO else arg for arg in PLAN[:-2]]
+    assert cli(at_slow + ["--json"]) == 0
+    layouts = {(q["dp"], q["ep"]): q["step_time"] for q in json.loads(capsys.readouterr().out)["layouts"]}
+    assert layouts[(1, 16)]["dispatcher"] == "dedup" and layouts[(2, 8)]["dispatcher"] == "triton"
+    assert cli(at_slow) == 0
+    assert "one row per token and destination node and rank for 1 × 16" in capsys.readouterr().out

@@ -86,7 +86,7 @@ def run_regime(regime, args) -> None:
         report["runs"].append(cal_run)
         if not cal_run["feasible"]:
             raise SystemExit(f"calibration run {rg.CALIBRATION_RUN} failed: {cal_run.get('error')}")
-        calibration = rg.calibrate(cal_run, counts, regime)
+        calibration = rg.calibrate(cal_run, counts, regime, memory_gbps)
         gbit = _link_gbit(regime, counts, calibration, memory_gbps)
         report["regime"]["calibration"] = calibration
         report["regime"]["link_gbit_chosen"] = gbit

@@ -20,7 +20,8 @@ cluster's ``T/T*``.
 
 The step-time model is calibrated on one designated run per regime — pure EP on the flat fabric (no
 shaped link). From it come the device rate (model FLOPs per second per rank = FLOPs / (step time −
-exposed communication), efficiency 1), the fixed cost of one exchange collective (time blocked in the
+exposed communication − the model's time for the exchange's gathers: their bytes at the machine's measured
+memory rate), efficiency 1), the fixed cost of one exchange collective (time blocked in the
 counts exchange, which carries almost no bytes, per call) and the loopback rate (token-exchange bytes /
 the rest of the time blocked in token exchanges). The inter-node bandwidth per rank is the fabric's
 measured bulk TCP rate divided by the ranks of a node, which share the link. Every other run is a
@@ -140,16 +141,25 @@ def qwen3_moe_config(model: dict[str, int]):
     )
 
 
-def calibrate(run: dict, counts, regime: Regime) -> dict[str, float]:
-    """Device rate, per-exchange overhead and loopback rate from the calibration run (pure EP, flat fabric)."""
+def calibrate(run: dict, counts, regime: Regime, memory_gbps: float) -> dict[str, float]:
+    """Device rate, per-exchange overhead and loopback rate from the calibration run (pure EP, flat fabric).
+    ``compute_s`` is the time not blocked in collectives; the device rate counts the FLOPs over it less the model's
+    time for the per-pair exchange's gathers (their bytes at ``memory_gbps``), which the model adds back to every
+    run."""
+    from hf_hybrid_ep.planning.step_time import predict_step_time
+
     per_token = flops_per_token(counts, regime.seq_len)
+    gathers = predict_step_time(counts, 1, run["ep"], f"gpus_per_node={run['ep']}",
+                                tokens_per_step=run["ep"] * regime.tokens_per_rank, micro_batch=regime.batch_per_rank,
+                                seq_len=regime.seq_len, recipe="fp32-adamw", memory_gbps=memory_gbps,
+                                dispatcher="torch").exchange_memory_s
     compute_s = run["step_s"] - run["exposed_comm_s_per_step"]
     blocked = run["exposed_comm_by_op_s_per_step"]
     calls = counts.moe_layers * regime.grad_accum  # per step: one counts exchange per layer and micro-batch
     overhead = blocked.get("all_to_all_counts", 0.0) / calls
     data_s = blocked.get("all_to_all", 0.0) - 4 * calls * overhead
-    return {"run": run["name"], "fabric": run["fabric"], "compute_s": compute_s,
-            "flops_per_s": per_token * regime.tokens_per_rank / compute_s, "exchange_overhead_s": overhead,
+    return {"run": run["name"], "fabric": run["fabric"], "compute_s": compute_s, "gathers_s": gathers,
+            "flops_per_s": per_token * regime.tokens_per_rank / (compute_s - gathers), "exchange_overhead_s": overhead,
             "intra_gbps": run["a2a_bytes_per_step"] / data_s / 1e9 if data_s > 0 else 100.0}
 
 
@@ -208,7 +218,7 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
     for r in runs:
         r["key"] = f"{r['fabric']}/{r['name']}"
     cal_run = next(r for r in runs if r["fabric"] == "flat" and r["name"] == CALIBRATION_RUN)
-    calibration = calibrate(cal_run, counts, regime)
+    calibration = calibrate(cal_run, counts, regime, report["regime"]["memory_gbps"])
     two = report["fabrics"]["two-node"]
     achieved: dict[str, Any] = {"T_over_T_star": t_over_t_star(regime)["T_over_T_star"]}
     ep_run = next((r for r in runs if r["key"] == "two-node/ep4" and r["feasible"]), None)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..parallel.watchdog import label, watched
 from .alltoall import AsyncExchange, all_to_all, all_to_all_async, exchange_name
-from .gathers import weighted_gather
+from .gathers import CHUNK_BYTES, GatherTokens, picked_rows, row_bytes, row_chunks, weighted_gather
 from .protocol import LocalPairs, Received, SideChannel
 from .stats import CommStats
 from .table import PlacementTable
@@ -128,36 +128,41 @@ class _RowsOf(torch.autograd.Function):
     """``rows[r] = src[src_of_row[r]]``; the backward sums each source row's rows (a gather)."""
 
     @staticmethod
-    def forward(ctx, src, src_of_row, row_of):  # type: ignore[override]
+    def forward(ctx, src, src_of_row, row_of, chunk_bytes):  # type: ignore[override]
         ctx.save_for_backward(row_of)
+        ctx.chunk_bytes = chunk_bytes
         return src.index_select(0, src_of_row)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (row_of,) = ctx.saved_tensors
-        return sum_rows(grad, row_of), None, None
+        return sum_rows(grad, row_of, ctx.chunk_bytes), None, None, None
 
 
 class _SumRows(torch.autograd.Function):
     """``out[i] = Σ_m rows[row_of[i, m]]`` (members in order; −1: none); the backward is ``_RowsOf``'s forward."""
 
     @staticmethod
-    def forward(ctx, rows, row_of, src_of_row):  # type: ignore[override]
+    def forward(ctx, rows, row_of, src_of_row, chunk_bytes):  # type: ignore[override]
         ctx.save_for_backward(src_of_row)
-        return sum_rows(rows, row_of)
+        return sum_rows(rows, row_of, chunk_bytes)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (src_of_row,) = ctx.saved_tensors
-        return grad.index_select(0, src_of_row), None, None
+        return grad.index_select(0, src_of_row), None, None, None
 
 
-def sum_rows(rows: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-    """``[R_in, H]`` sums of the rows ``row_of [R_in, M]`` points at (−1 adds nothing)."""
+def sum_rows(rows: torch.Tensor, row_of: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """``[R_in, H]`` sums of the rows ``row_of [R_in, M]`` points at (−1 adds nothing), gathered ``chunk_bytes``
+    of rows at a time."""
     count, members = row_of.shape
-    padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
-    index = torch.where(row_of >= 0, row_of, rows.shape[0]).reshape(-1)
-    return padded.index_select(0, index).view(count, members, *rows.shape[1:]).sum(1)
+    out = rows.new_empty((count, *rows.shape[1:]))
+    for a, b in row_chunks(count, members * row_bytes(rows), chunk_bytes):
+        index = row_of[a:b].reshape(-1)
+        picked = picked_rows(rows, torch.where(index >= 0, index, rows.shape[0]), rows.dtype, zero_missing=True)
+        torch.sum(picked.view(b - a, members, *rows.shape[1:]), dim=1, out=out[a:b])
+    return out
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -283,10 +288,10 @@ def stage_rows(member: torch.Tensor, members: int, sub_keys: torch.Tensor, stage
 
 
 def _launch_stage(rows: torch.Tensor, weights: torch.Tensor, stage: RowStage, group, stats: CommStats,
-                  self_index: int, phase: str) -> tuple[torch.Tensor, PackedExchange]:
+                  self_index: int, phase: str, chunk_bytes: int) -> tuple[torch.Tensor, PackedExchange]:
     """Start one stage's rows (with their weights and keys, packed) to their members: ``(carrier, exchange)``,
     ``exchange.wait(carrier)`` gives ``(rows, weights, keys)`` as received."""
-    out_rows = _RowsOf.apply(rows, stage.src_of_row, stage.row_of)
+    out_rows = _RowsOf.apply(rows, stage.src_of_row, stage.row_of, chunk_bytes)
     out_weights = torch.where(stage.keys >= 0, weights.index_select(0, stage.src_of_row), weights.new_zeros(()))
     exchange = PackedExchange(stage.send, stage.recv, group, stats, self_index, phase)
     return exchange.launch(out_rows, out_weights, stage.keys), exchange
@@ -304,6 +309,7 @@ class DedupDispatcher(TorchDispatcher):
                  groups: DedupGroups, *, count_slots: int | None = None, control_ints: int = 0) -> None:
         super().__init__(table, ep_rank, ep_group, stats, count_slots=count_slots, control_ints=control_ints)
         self.groups = groups
+        self.chunk_bytes = CHUNK_BYTES  # the most bytes of picked rows a fan-out or partial-sum gather holds at once
         g = groups
         # per span and destination node: pair counts per (local index, slot), rows per rank, rows for the node
         self.block = g.per_node * self.count_slots + g.per_node + 1
@@ -411,7 +417,7 @@ class DedupDispatcher(TorchDispatcher):
             keys = plan.token_keys
             return hidden, torch.where(keys >= 0, top_k_weights, top_k_weights.new_zeros(())), keys
         carrier, exchange = _launch_stage(hidden, top_k_weights, plan.stage_a, g.inter_group, self.stats, g.node,
-                                          "dispatch_inter")
+                                          "dispatch_inter", self.chunk_bytes)
         return exchange.wait(carrier)
 
     def _launch_stage_b(self, hidden: torch.Tensor, plan: DedupPlan, top_k_weights: torch.Tensor
@@ -421,7 +427,8 @@ class DedupDispatcher(TorchDispatcher):
         long_keys = keys1.long()
         member = torch.where(long_keys >= 0, long_keys // slots, -1)
         stage_rows(member, g.per_node, torch.where(long_keys >= 0, long_keys % slots, -1).to(keys1.dtype), plan.stage_b)
-        return _launch_stage(rows1, weights1, plan.stage_b, g.intra_group, self.stats, g.local, "dispatch")
+        return _launch_stage(rows1, weights1, plan.stage_b, g.intra_group, self.stats, g.local, "dispatch",
+                             self.chunk_bytes)
 
     def _fan_out(self, received: tuple[torch.Tensor, torch.Tensor, torch.Tensor], plan: DedupPlan) -> torch.Tensor:
         """The received rank rows expanded into this rank's pairs, by slot."""
@@ -431,7 +438,7 @@ class DedupDispatcher(TorchDispatcher):
         order = torch.sort(torch.where(fan_keys >= 0, fan_keys, slots), stable=True)[1]
         plan.fan = send_order_plan(order, [plan.received.num_rows], rows.shape[0], plan.top_k)
         plan.fan_weights = weights
-        return self._permute(rows, order, plan.fan.num_sent, plan.top_k)
+        return GatherTokens.apply(rows, order, plan.fan.num_sent, plan.top_k, self.chunk_bytes)
 
     def dispatch(self, hidden: torch.Tensor, plan: DedupPlan, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Stage A, stage B, fan-out: the pairs this rank's experts compute, by slot."""
@@ -450,15 +457,16 @@ class DedupDispatcher(TorchDispatcher):
         """Each received rank row's ``Σ_j w_j · y_j``: ``[R2, H]`` in the outputs' dtype (bf16 rows under
         autocast stay bf16 on the wire)."""
         fan = plan.fan
-        return weighted_gather(expert_out, plan.fan_weights, fan.position, fan.order).to(expert_out.dtype)
+        return weighted_gather(expert_out, plan.fan_weights, fan.position, fan.order,
+                               self.chunk_bytes).to(expert_out.dtype)
 
     def _node_sums(self, back: torch.Tensor, plan: DedupPlan) -> torch.Tensor:
         """Stage B returned: each relayed row's sum of its rank rows."""
-        return _SumRows.apply(back, plan.stage_b.row_of, plan.stage_b.src_of_row)
+        return _SumRows.apply(back, plan.stage_b.row_of, plan.stage_b.src_of_row, self.chunk_bytes)
 
     def _token_sums(self, back: torch.Tensor, plan: DedupPlan) -> torch.Tensor:
         """Stage A returned: each token's sum of its node rows."""
-        return _SumRows.apply(back, plan.stage_a.row_of, plan.stage_a.src_of_row)
+        return _SumRows.apply(back, plan.stage_a.row_of, plan.stage_a.src_of_row, self.chunk_bytes)
 
     def _send_back(self, expert_out: torch.Tensor, plan: DedupPlan, pending=None) -> torch.Tensor:
         """Stage B back to the relays and summed, then (across nodes) stage A back, asynchronous with

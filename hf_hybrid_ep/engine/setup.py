@@ -21,7 +21,13 @@ from ..dispatch import PlacementTable, choose_backend, resolve_backend
 from ..dispatch.table import layer_tables
 from ..errors import HybridEPConfigError
 from ..moe.aux_losses import ModelAuxLoss, add_aux_losses
-from ..moe.discovery import check_shardable, find_experts_modules, find_shared_expert, unwrapped_name
+from ..moe.discovery import (
+    ExpertsFormat,
+    check_shardable,
+    find_experts_modules,
+    find_shared_expert,
+    unwrapped_name,
+)
 from ..moe.holdings import expert_holdings
 from ..moe.layer import EPLayerOptions, ShardedExperts, SharedExpertOverlap
 from ..moe.load import attach_load_accounting
@@ -219,10 +225,18 @@ def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple
     watchdog.start(timeout.total_seconds())
     routers = [find_router(model, name, m.num_experts) for name, m in found]
     top_k = max((int(r[1].top_k) for r in routers if r is not None), default=1)
-    backend, why = choose_backend(config.dispatcher, mesh, top_k, max(t.slots_per_rank for t in tables))
+    backend, why = choose_backend(config.dispatcher, mesh, top_k, max(t.slots_per_rank for t in tables),
+                                  *_row_width(found[0][1]))
     if mesh.rank == 0:
         logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
     return mesh, tables, backend
+
+
+def _row_width(experts: nn.Module) -> tuple[int, int]:
+    """The hidden size and element bytes of the rows an experts module exchanges (its down projection's output
+    width and dtype)."""
+    down = experts.down_proj
+    return (down.shape[2] if ExpertsFormat.of(experts).is_transposed else down.shape[1]), down.element_size()
 
 
 def _apply_device(*, model: nn.Module, mesh: HybridMesh) -> torch.device:

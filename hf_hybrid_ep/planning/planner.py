@@ -363,8 +363,8 @@ def format_plan(result: dict[str, Any]) -> str:
     where = model["calibration"]["links"] if model["calibration"] else "from the topology spec"
     lines.append(f"step time (ckpt rows checkpointed): {compute}; links {where} "
                  f"(intra-node {links['intra_node_gbps']:g}, inter-node {links['inter_node_gbps']:g}, cross-rack "
-                 f"{links['cross_rack_gbps']:g} GB/s per GPU); optimizer at {model['memory_gbps']:g} GB/s memory "
-                 f"({src['memory_gbps']})")
+                 f"{links['cross_rack_gbps']:g} GB/s per GPU); optimizer and exchange gathers at "
+                 f"{model['memory_gbps']:g} GB/s memory ({src['memory_gbps']})")
     deduplicated = [f"{p['dp']} × {p['ep']}" for p in result["layouts"]
                     if p["step_time"].get("dispatcher") == "dedup"]
     lines.append(f"token exchange as dispatcher={model.get('dispatcher', 'torch')!r}: "

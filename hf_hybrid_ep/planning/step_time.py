@@ -31,17 +31,26 @@ Communication (bytes split by link level as in :mod:`hf_hybrid_ep.planning.plann
   (the counts exchange of every dispatch and the 4 or 6 token exchanges, per MoE layer and micro-batch)
   also costs ``exchange_overhead_s`` (latency and the wait for the slowest peer; default 0, which suits
   large GPU exchanges; measured on a CPU world it is milliseconds);
-* with the deduplicated dispatcher (``dispatcher="dedup"``, or ``"auto"`` where it sends fewer bytes, as
-  the engine chooses on CUDA: the EP group spans nodes, or k ≥ 2 with more than one expert per rank) a token
-  travels once to each destination: under uniform routing over a contiguous placement a group of ``E_g``
-  of the E experts holds one of a token's k distinct experts with probability
+* with the deduplicated dispatcher (``dispatcher="dedup"``, or ``"auto"`` where the cost below predicts it
+  faster) a token travels once to each destination: under uniform routing over a contiguous placement a group
+  of ``E_g`` of the E experts holds one of a token's k distinct experts with probability
   ``p(E_g) = 1 − C(E − E_g, k)/C(E, k)``. Inside one node, ``p(E/ep) · (ep − 1) · T`` rows per exchange go
   to the other ranks. Across ``N = ep/g`` nodes, stage A sends ``p(E·g/ep) · T`` rows to each other node
   (inter-node or cross-rack by where it sits) and the relays forward ``p(E/ep) · (ep − N) · T`` rows
   inside the nodes (a rank's rows to the rank with its own local index stay there); the two stages run
   one after the other (``a2a s = intra-node s + inter-node s + cross-rack s``), two collectives per
   exchange. Every row carries ``H · b_a`` bytes of activations per exchange; the dispatch adds
-  ``k · (b_a + 2)`` bytes of routing weights and keys, its backward ``k · b_a``;
+  ``k · (b_a + 2)`` bytes of routing weights and keys, its backward ``k · b_a``
+  (:func:`hf_hybrid_ep.dispatch.cost.link_bytes`);
+* the gathers around the exchange, as bytes read and written in device memory at ``memory_gbps``
+  (:func:`hf_hybrid_ep.dispatch.cost.memory_bytes`, per token and MoE layer; ``h = H · b_a``): the per-pair
+  exchange's permute and weighted combine, forward and backward, ``k · 15 h + 3 h`` unfused (``"torch"``),
+  ``k · 8 h + 2 h`` with the fused Triton kernels (``"triton"``); the deduplicated exchange's row picking,
+  packing, fan-out, partial sums and node sums, several times more (about ``5 ×`` the torch path's at
+  Qwen3-30B-A3B, EP 8 in one node). Serial with the compute (``exchange_memory_s``), never hidden;
+* ``dispatcher="auto"`` models what the engine picks on CUDA: the per-pair exchange with the fused kernels
+  or the deduplicated one, whichever :func:`hf_hybrid_ep.dispatch.cost.cheaper_exchange` predicts faster for
+  the layout (links and memory together, memory at the engine's CUDA figure whatever ``memory_gbps`` says);
 * gradient reduction, once per step (gradient accumulation reduces on the last micro-batch only):
   dense gradients (``P_dense · b_g``) over the world, expert gradients (``P_experts/ep · b_g``) over
   the EDP group of dp ranks, hierarchical ring all-reduces (a reduce-scatter — half the bytes — with
@@ -62,8 +71,8 @@ the gradient, reads and writes the weights and the optimizer state; b_o: optimiz
 parameter of the recipe, 12 for bf16 AdamW); updated parameters: those whose state the rank keeps
 (a shard with ZeRO-1).
 
-Step: ``compute + exposed token exchange + exposed gradient reduction + ZeRO-1 gather + FSDP gathers
-+ optimizer``; samples/s = ``tokens_per_step / seq_len / step``. No latency term, no kernel-launch or
+Step: ``compute + exchange gathers + exposed token exchange + exposed gradient reduction + ZeRO-1 gather +
+FSDP gathers + optimizer``; samples/s = ``tokens_per_step / seq_len / step``. No latency term, no kernel-launch or
 routing overhead beyond the efficiency factor, no straggler from load imbalance.
 
 Hybrid against pure EP (:func:`compare`): ``T*`` is the tokens per rank per step at which the hybrid's
@@ -80,7 +89,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS, auto_deduplicates, check_int
+from ..config import DENSE_SHARDINGS, DISPATCHER_BACKENDS, OPTIMIZER_SHARDINGS, check_int
+from ..dispatch.cost import (
+    MEMORY_GBPS,
+    ExchangeShape,
+    cheaper_exchange,
+    link_bytes,
+    link_seconds,
+    memory_bytes,
+)
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
 from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes, trained_params
@@ -141,7 +158,9 @@ class StepTime:
     step_s: float
     tokens_per_s: float  # over the world
     samples_per_s: float  # over the world
-    dispatcher: str = "torch"  # the token exchange modelled: "torch" (one row per pair) or "dedup"
+    dispatcher: str = "torch"  # the token exchange modelled: "torch", "triton" (one row per pair) or "dedup"
+    exchange_memory_bytes: float = 0.0  # read + written by the gathers around the token exchange
+    exchange_memory_s: float = 0.0  # those bytes at the device's memory bandwidth
 
 
 def _levels(value: float = 0.0) -> Levels:
@@ -203,33 +222,35 @@ def predict_step_time(counts: ModelCounts, dp: int, ep: int, topology: Topology 
         micro_batch, seq_len: sequences per micro-batch and tokens per sequence.
         activation_checkpointing: recompute the forward during the backward.
         device_flops: peak FLOP/s of one GPU; ``efficiency`` ∈ (0, 1] the achieved share (MFU).
-        memory_gbps: device memory bandwidth in GB/s, for the optimizer term.
+        memory_gbps: device memory bandwidth in GB/s, for the optimizer term and the exchange's gathers.
         optimizer_sharding, dense_sharding, recipe: as in :func:`hf_hybrid_ep.planning.planner.plan`.
         a2a_hidden_fraction: share of the token exchange hidden behind expert compute (0: none).
         exchange_overhead_s: fixed seconds per exchange collective (latency, waiting for peers).
         dispatcher: the engine's ``dispatcher`` setting: ``"dedup"`` models one row per token and destination
-            node and rank, ``"torch"`` / ``"triton"`` one row per (token, expert), ``"auto"`` what the engine
-            picks (:func:`deduplicates`).
+            node and rank, ``"torch"`` / ``"triton"`` one row per (token, expert) (unfused / fused gathers),
+            ``"auto"`` what the engine picks on CUDA (:func:`modelled_exchange`).
     """
     topo = Topology.of(topology)
     world = dp * ep
     check_step_inputs(world, tokens_per_step, micro_batch, seq_len, device_flops, efficiency, memory_gbps,
                       a2a_hidden_fraction, exchange_overhead_s)
     _check_layout_choices(counts, ep, recipe, optimizer_sharding, dense_sharding)
+    if dispatcher not in DISPATCHER_BACKENDS:
+        raise HybridEPConfigError(f"dispatcher={dispatcher!r} is not one of {list(DISPATCHER_BACKENDS)}")
     topo.check_world(world)
     b_w, b_g, _ = RECIPES[recipe]
     tokens = tokens_per_step // world
     micro_batches = tokens // (micro_batch * seq_len)
     compute = _compute_terms(counts, tokens, seq_len, activation_checkpointing, device_flops * efficiency)
     exchange = _exchange_terms(counts, topo, ep, tokens, micro_batches, b_w, activation_checkpointing, dispatcher,
-                               exchange_overhead_s, a2a_hidden_fraction)
+                               exchange_overhead_s, a2a_hidden_fraction, memory_gbps)
     window = (compute["backward_s"] + compute["recompute_s"]) / micro_batches
     reduction = _reduction_terms(counts, topo, dp, ep, b_g, optimizer_sharding, dense_sharding, window)
     gathers = _gather_terms(counts, topo, dp, ep, b_w, micro_batches, optimizer_sharding, dense_sharding)
     optimizer = _optimizer_terms(counts, dp, ep, recipe, optimizer_sharding, dense_sharding, memory_gbps)
     exposed = (exchange["a2a_exposed_s"] + reduction["grad_reduce_exposed_s"] + gathers["zero1_gather_s"]
                + gathers["fsdp_gather_s"])
-    step_s = compute["compute_s"] + exposed + optimizer["optimizer_s"]
+    step_s = compute["compute_s"] + exchange["exchange_memory_s"] + exposed + optimizer["optimizer_s"]
     return StepTime(
         dp=dp, ep=ep, tokens_per_step=tokens_per_step, tokens_per_rank=tokens, micro_batches=micro_batches,
         samples_per_step=tokens_per_step // seq_len, activation_checkpointing=activation_checkpointing,
@@ -274,41 +295,42 @@ def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_ch
             "compute_s": forward_s + backward_s + recompute_s}
 
 
-def deduplicates(dispatcher: str, counts: ModelCounts, ep: int, nodes: int) -> bool:
-    """Whether ``dispatcher`` runs the deduplicated exchange for this layout: ``"dedup"``, or ``"auto"`` where
-    the engine picks it on CUDA, the devices this model plans for (an EP group over several nodes, or top-k ≥ 2
-    with more than one expert per rank)."""
-    if dispatcher == "dedup":
-        return True
-    return dispatcher == "auto" and auto_deduplicates("cuda", ep, nodes, counts.top_k, counts.num_experts // ep)
+def exchange_shape(counts: ModelCounts, topo: Topology, ep: int, b_a: int) -> ExchangeShape:
+    """One MoE layer's token exchange on a rank of the EP group ``0..ep−1`` (activations of ``b_a`` bytes)."""
+    g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
+    return ExchangeShape(counts.num_experts, counts.top_k, ep, g, in_rack, counts.hidden, b_a)
+
+
+def modelled_exchange(dispatcher: str, shape: ExchangeShape, topo: Topology) -> str:
+    """The exchange ``dispatcher`` runs: ``"torch"``, ``"triton"`` or ``"dedup"`` as given; ``"auto"`` as the engine
+    picks it on CUDA, the devices this model plans for: the per-pair exchange with the fused Triton kernels or the
+    deduplicated one, whichever :func:`hf_hybrid_ep.dispatch.cost.cheaper_exchange` predicts faster at these links
+    and the engine's CUDA memory figure (:data:`hf_hybrid_ep.dispatch.cost.MEMORY_GBPS`)."""
+    if dispatcher != "auto":
+        return dispatcher
+    return cheaper_exchange(shape, "triton", topo, MEMORY_GBPS["cuda"])[0] if shape.ep > 1 else "triton"
 
 
 def _exchange_terms(counts: ModelCounts, topo: Topology, ep: int, tokens: int, micro_batches: int, b_a: int,
                     activation_checkpointing: bool, dispatcher: str, exchange_overhead_s: float,
-                    a2a_hidden_fraction: float) -> dict[str, Any]:
+                    a2a_hidden_fraction: float, memory_gbps: float) -> dict[str, Any]:
     """The token exchange over the EP group (ranks 0..ep-1): bytes and seconds per link level, the
-    collectives' fixed costs, the hidden share. Activations travel in the compute dtype (``b_a``)."""
+    collectives' fixed costs, the hidden share, and the bytes its gathers move in memory. Activations travel in
+    the compute dtype (``b_a``)."""
     exchanges = 6 if activation_checkpointing else 4
-    routed = counts.top_k * tokens * counts.hidden * b_a * counts.moe_layers * exchanges
-    a2a = _levels()
-    g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
-    nodes = max(1, ep // g)
-    dedup = deduplicates(dispatcher, counts, ep, nodes)
-    if dedup:
-        a2a = _deduplicated_bytes(counts, tokens, ep, g, in_rack, b_a, activation_checkpointing, exchanges)
-    elif ep > 1:
-        a2a = {"intra_node": routed * (g - 1) / ep, "inter_node": routed * (in_rack - g) / ep,
-               "cross_rack": routed * (ep - in_rack) / ep}
+    shape = exchange_shape(counts, topo, ep, b_a)
+    backend = modelled_exchange(dispatcher, shape, topo)
+    layer_tokens = tokens * counts.moe_layers
+    a2a = {level: b * layer_tokens for level, b in link_bytes(shape, backend, activation_checkpointing).items()}
     a2a_by_level = _seconds(a2a, topo)
-    if dedup and nodes > 1:  # stage A between the nodes, then stage B inside them: two collectives per exchange
-        a2a_s, collectives = sum(a2a_by_level.values()), 2 * exchanges + 1
-    else:
-        a2a_s = max(a2a_by_level["intra_node"], a2a_by_level["inter_node"] + a2a_by_level["cross_rack"])
-        collectives = exchanges + 1 if ep > 1 else 0
+    a2a_s = link_seconds(a2a, topo, backend, shape.nodes)
+    collectives = (2 * exchanges + 1 if backend == "dedup" and shape.nodes > 1 else exchanges + 1) if ep > 1 else 0
     a2a_s += collectives * counts.moe_layers * micro_batches * exchange_overhead_s
     a2a_hidden = a2a_s * a2a_hidden_fraction
+    memory = memory_bytes(shape, backend, activation_checkpointing) * layer_tokens
     return {"a2a_bytes": a2a, "a2a_s_by_level": a2a_by_level, "a2a_s": a2a_s, "a2a_hidden_s": a2a_hidden,
-            "a2a_exposed_s": a2a_s - a2a_hidden, "dispatcher": "dedup" if dedup else "torch"}
+            "a2a_exposed_s": a2a_s - a2a_hidden, "dispatcher": backend, "exchange_memory_bytes": memory,
+            "exchange_memory_s": memory / (memory_gbps * 1e9)}
 
 
 def _reduction_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_g: int, optimizer_sharding: str,
@@ -356,27 +378,6 @@ def _optimizer_terms(counts: ModelCounts, dp: int, ep: int, recipe: str, optimiz
     touched = updated * (2 * (b_w + b_o) + b_g)
     return {"optimizer_params": updated, "optimizer_bytes_touched": touched,
             "optimizer_s": touched / (memory_gbps * 1e9)}
-
-
-def node_hit_probability(num_experts: int, experts_on_node: int, top_k: int) -> float:
-    """Probability that a node holding ``experts_on_node`` of ``num_experts`` experts holds at least one of
-    a token's ``top_k`` distinct experts, drawn uniformly: ``1 − C(E − E_n, k) / C(E, k)``."""
-    return 1.0 - math.comb(num_experts - experts_on_node, top_k) / math.comb(num_experts, top_k)
-
-
-def _deduplicated_bytes(counts: ModelCounts, tokens: int, ep: int, g: int, in_rack: int, b_a: int,
-                        activation_checkpointing: bool, exchanges: int) -> Levels:
-    """Bytes per rank and step of the deduplicated dispatcher (module docstring), by link level."""
-    E, k = counts.num_experts, counts.top_k
-    metadata = k * ((b_a + 2) * (2 if activation_checkpointing else 1) + b_a)  # per row and layer
-    row = counts.moe_layers * (counts.hidden * b_a * exchanges + metadata)  # one row's bytes over the step
-    per_rank = node_hit_probability(E, E // ep, k) * tokens * row
-    if ep <= g:
-        return {**_levels(), "intra_node": per_rank * (ep - 1)}
-    nodes = ep // g
-    per_node = node_hit_probability(E, E * g // ep, k) * tokens * row
-    return {"intra_node": per_rank * (ep - nodes), "inter_node": per_node * (in_rack // g - 1),
-            "cross_rack": per_node * ((ep - in_rack) // g)}
 
 
 def _cross(split: Levels) -> float:

@@ -37,6 +37,7 @@ from .common import ADAM_EPS, BATCH_PER_RANK, REL_TOL, SEQ, _rel
 from .dispatch import (
     dispatcher_choice,
     dispatcher_equivalence,
+    exchange_memory,
     overlap_equivalence,
     shared_overlap_equivalence,
 )
@@ -121,6 +122,7 @@ __all__ = [
     # dispatch
     "dispatcher_choice",
     "dispatcher_equivalence",
+    "exchange_memory",
     "overlap_equivalence",
     "shared_overlap_equivalence",
     # failures

@@ -137,3 +137,41 @@ def shared_overlap_equivalence(model_type: str) -> dict:
     state = hep.state_of(model)
     return {"equal": bool(torch.equal(la, lb)) and all(torch.equal(ga[n], gb[n]) for n in ga),
             "calls": calls, "after": [layer.shared_overlap.after_experts for layer in state.layers]}
+
+
+def exchange_memory(topology: str | None, hidden: int, chunk_bytes: int | None = None, tokens: int = 512,
+                    num_experts: int = 16, top_k: int = 4) -> dict:
+    """One MoE layer's exchange on every backend of this layout (pure EP over the world, uniform routing, fp32):
+    dispatch, an identity expert, combine, and the backward of both. Per backend: the bytes its ATen ops read and
+    write (``memory_counting.MemoryTrafficCounter``), the step-time model's prediction
+    (``dispatch.cost.memory_bytes`` × tokens), the largest tensor created (``memory_counting.LargestTensor``) and
+    the largest row buffer the exchange itself needs (rows sent, received or returned, with the deduplicated rows'
+    weights and keys). ``chunk_bytes``: the deduplicated dispatcher's bound on picked rows."""
+    from memory_counting import LargestTensor, MemoryTrafficCounter
+
+    from hf_hybrid_ep.dispatch import CommStats, make_dispatcher
+    from hf_hybrid_ep.dispatch.cost import ExchangeShape, memory_bytes
+
+    world = dist.get_world_size()
+    mesh = hep.build_mesh(1, world, topology=topology)
+    shape = ExchangeShape(num_experts, top_k, world, mesh.ranks_per_node, world, hidden, 4)
+    out = {}
+    for backend in ("torch", "dedup"):
+        dispatcher = make_dispatcher(backend, hep.PlacementTable.contiguous(num_experts, world), mesh, CommStats())
+        if chunk_bytes is not None:
+            dispatcher.chunk_bytes = chunk_bytes
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+        x = torch.randn(tokens, hidden, generator=generator, requires_grad=True)
+        weights = torch.rand(tokens, top_k, generator=generator, requires_grad=True)
+        plan = dispatcher.plan(index)[0]
+        grad = torch.randn(tokens, hidden, generator=generator)
+        with MemoryTrafficCounter() as counter, LargestTensor() as largest:
+            rows = dispatcher.dispatch(x, plan, weights)
+            dispatcher.combine(rows, weights, plan).backward(grad)
+        stages = [s for s in (getattr(plan, "stage_a", None), getattr(plan, "stage_b", None)) if s is not None]
+        counts = [tokens, rows.shape[0], plan.num_sent] + [sum(c) for s in stages for c in (s.send, s.recv)]
+        out[backend] = {"measured": counter.total, "predicted": memory_bytes(shape, backend) * tokens,
+                        "largest": largest.largest, "largest_op": largest.op,
+                        "row_buffer": max(counts) * (hidden * 4 + top_k * (4 + 2))}
+    return out
