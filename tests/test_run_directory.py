@@ -253,4 +253,5 @@ def test_the_trainers_verbosity_decides_whether_the_summary_is_shown(tmp_path, c
 
     shown = summaries(tmp_path / "a", "passive")
     assert len(shown) == 1 and "starting fresh" in shown[0], shown
+    assert not (tmp_path / "a" / RUN_LEASE_NAME).exists(), "train() releases the lease it took when it returns"
     assert summaries(tmp_path / "b", "error") == []

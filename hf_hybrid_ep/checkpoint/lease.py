@@ -322,11 +322,11 @@ def clear_if_gone(path: Path, role: str) -> Holder | None:
     return None
 
 
-def _take_run_lease(directory: Path) -> None:
+def _take_run_lease(directory: Path) -> Lease | None:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / RUN_LEASE_NAME
     if held(path) is not None:
-        return
+        return None
 
     def refuse(holder: Holder, verdict: Verdict) -> CheckpointError:
         return CheckpointError(
@@ -334,24 +334,25 @@ def _take_run_lease(directory: Path) -> None:
             f"{str(path)!r}. Two runs in one output directory replace each other's checkpoints and logs: give this "
             f"run another --output_dir, or {wait_advice(verdict, holder)}")
 
-    acquire(path, {"output_dir": str(directory.resolve())}, refuse, f"the output directory {str(directory)!r}")
+    return acquire(path, {"output_dir": str(directory.resolve())}, refuse, f"the output directory {str(directory)!r}")
 
 
-def hold_output_dir(output_dir: str | os.PathLike[str]) -> None:
-    """Hold the run lease of ``output_dir`` for the rest of this process (rank 0 takes it; released at exit).
+def hold_output_dir(output_dir: str | os.PathLike[str]) -> Lease | None:
+    """Hold the run lease of ``output_dir`` (:data:`RUN_LEASE_NAME` inside it): rank 0 takes it, until the
+    returned lease's ``release()`` or this process's exit.
 
     A run that another live process holds is refused on every rank, naming it; one whose holder is gone is taken
-    over with a warning; a second call in the same process does nothing. Collective when ``torch.distributed`` is
-    initialised (every rank calls it).
+    over with a warning. Returns the lease this call took (on rank 0), ``None`` elsewhere and when this process
+    already holds it. Collective when ``torch.distributed`` is initialised (every rank calls it).
 
     Raises:
         CheckpointError: naming the run that holds the directory, and what to do.
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    error = None
+    error, taken = None, None
     if not distributed or dist.get_rank() == 0:
         try:
-            _take_run_lease(Path(output_dir))
+            taken = _take_run_lease(Path(output_dir))
         except CheckpointError as err:
             error = str(err)
     if distributed:
@@ -361,3 +362,4 @@ def hold_output_dir(output_dir: str | os.PathLike[str]) -> None:
         error = box[0]
     if error is not None:
         raise CheckpointError(error)
+    return taken

@@ -22,8 +22,8 @@ class's own:
 * ``train(resume_from_checkpoint="latest")`` (or ``True``) resumes from the newest complete checkpoint of the output
   directory and starts fresh when there is none; ``expert_load.jsonl`` loses the records of later steps, which
   the resumed run logs again (:mod:`hf_hybrid_ep.integrations.resume`);
-* ``train()`` first takes the output directory's run lease (:func:`hf_hybrid_ep.checkpoint.lease.hold_output_dir`):
-  a second run on a directory that a live run holds is refused on every rank, naming it; then it logs the
+* ``train()`` holds the output directory's run lease (:func:`hf_hybrid_ep.checkpoint.lease.hold_output_dir`) from
+  its start to its end: a second run on a directory that a live run holds is refused on every rank, naming it; it logs the
   start-up summary on rank 0 (:mod:`hf_hybrid_ep.engine.summary`), shown at transformers' default verbosity;
 * ``train()`` runs under the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`): no progress for the collective
   timeout (``collective_timeout_s``, else ``--ddp_timeout``) ends every rank with one message naming where.
@@ -209,11 +209,19 @@ class _EngineMethods(Trainer):
         return optimizer
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint="latest"`` or ``True``: the newest complete checkpoint of the
-        output directory, or a fresh start when there is none. The summary metrics also carry this rank's bytes of
-        weights, gradients and optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report`
-        measures)."""
-        hold_output_dir(self.args.output_dir)  # before anything is read or written there (one run per directory)
+        """``Trainer.train``, holding the output directory's run lease throughout (a directory another live run
+        holds is refused, naming it); ``resume_from_checkpoint="latest"`` or ``True``: the newest complete checkpoint
+        of the output directory, or a fresh start when there is none. The summary metrics also carry this rank's
+        bytes of weights, gradients and optimizer state (``hybrid_ep_*_bytes``, as
+        :func:`hf_hybrid_ep.memory.memory_report` measures)."""
+        taken = hold_output_dir(self.args.output_dir)  # before anything is read or written there
+        try:
+            return self._train_holding_the_lease(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if taken is not None:  # a lease the script took before (scripts/train.py) stays until it exits
+                taken.release()
+
+    def _train_holding_the_lease(self, resume_from_checkpoint: str | bool | None, *args, **kwargs):
         resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir,
                                                 main_process=self.args.should_save)
         start = f"resuming from {resume_from_checkpoint}" if resume_from_checkpoint else "starting fresh"
