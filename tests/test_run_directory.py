@@ -255,3 +255,17 @@ def test_the_trainers_verbosity_decides_whether_the_summary_is_shown(tmp_path, c
     assert len(shown) == 1 and "starting fresh" in shown[0], shown
     assert not (tmp_path / "a" / RUN_LEASE_NAME).exists(), "train() releases the lease it took when it returns"
     assert summaries(tmp_path / "b", "error") == []
+
+
+def test_a_lease_taken_over_meanwhile_is_reported_by_its_old_holder_and_never_removed_by_it(tmp_path, caplog):
+    from hf_hybrid_ep.checkpoint.lease import hold_output_dir
+
+    lease = hold_output_dir(tmp_path)
+    assert lease is not None and hold_output_dir(tmp_path) is None, "a second call in the same process: a no-op"
+    other = {**holder_record(output_dir=str(tmp_path)), "host": "node-17", "pid": 1}
+    (tmp_path / RUN_LEASE_NAME).write_text(json.dumps(other))  # as a process that took it over would
+    with caplog.at_level(logging.ERROR, logger="hf_hybrid_ep"):
+        lease.beat()
+    assert "is no longer its own (now held by PID 1 on host 'node-17'" in caplog.text
+    lease.release()
+    assert json.loads((tmp_path / RUN_LEASE_NAME).read_text()) == other

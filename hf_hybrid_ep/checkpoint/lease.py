@@ -179,13 +179,12 @@ def wait_advice(verdict: Verdict, holder: Holder) -> str:
 
 
 class _Registry:
-    """The leases this process holds, and the thread that beats their heartbeats."""
+    """The leases this process holds (by absolute path), and the thread that beats their heartbeats."""
 
     def __init__(self) -> None:
         self.held: dict[Path, Lease] = {}
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.wake = threading.Event()
 
     def add(self, lease: Lease) -> None:
         with self.lock:
@@ -199,13 +198,15 @@ class _Registry:
             return [lease for lease in self.held.values() if lease.pid == os.getpid()]
 
     def _beat(self) -> None:
-        while not self.wake.wait(HEARTBEAT_S):
+        while True:
+            time.sleep(HEARTBEAT_S)
             for lease in self.mine():
                 lease.beat()
 
 
 _REGISTRY = _Registry()
-os.register_at_fork(after_in_child=lambda: setattr(_REGISTRY, "lock", threading.Lock()))  # the thread may hold it
+if hasattr(os, "register_at_fork"):  # a forked child gets a fresh lock: the heartbeat thread may hold the parent's
+    os.register_at_fork(after_in_child=lambda: setattr(_REGISTRY, "lock", threading.Lock()))
 
 
 @dataclass(eq=False)
@@ -221,12 +222,17 @@ class Lease:
         return holder is not None and holder.record.get("token") == self.token
 
     def beat(self) -> None:
+        """Touch the lease (its heartbeat); a lease that is no longer this holder's is reported and forgotten."""
         try:
-            os.utime(self.path)
+            if self.ours():
+                os.utime(self.path)
+                return
         except FileNotFoundError:
-            logger.error("the lease %r of PID %d is gone (removed by hand, or taken over by another process)",
-                         str(self.path), self.pid)
-            self.forget()
+            pass
+        holder = read_holder(self.path)
+        logger.error("the lease %r of PID %d is no longer its own (%s): removed by hand, or taken over", str(self.path),
+                     self.pid, "gone" if holder is None else f"now held by {holder.describe()}")
+        self.forget()
 
     def forget(self) -> None:
         with _REGISTRY.lock:
@@ -242,7 +248,7 @@ class Lease:
 
 def held(path: Path) -> Lease | None:
     """The lease on ``path`` this process holds, if any."""
-    lease = _REGISTRY.held.get(Path(path))
+    lease = _REGISTRY.held.get(Path(os.path.abspath(path)))
     return lease if lease is not None and lease.pid == os.getpid() else None
 
 
@@ -278,7 +284,7 @@ def acquire(path: Path, what: dict, refuse: Callable[[Holder, Verdict], Exceptio
     """Take the lease ``path`` for this process, recording ``what``; a lease held by a live holder raises
     ``refuse(holder, verdict)``, one whose holder is gone is taken over with a warning naming it (``role``: what
     the lease is, for that line)."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     record = holder_record(**what)
     body = json.dumps(record).encode()
     for _ in range(5):
