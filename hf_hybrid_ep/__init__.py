@@ -5,6 +5,7 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 """
 
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
+from .checkpoint.lease import hold_output_dir
 from .checkpoint.load import from_pretrained
 from .checkpoint.save import save_hybrid_checkpoint
 from .config import HybridEPConfig
@@ -59,6 +60,7 @@ __all__ = [
     "full_state_dict",
     "HybridEPConfig",
     "HybridEPConfigError",
+    "hold_output_dir",
     "HybridMesh",
     "is_fused_experts",
     "layer_counters",

@@ -479,3 +479,14 @@ def env_values() -> dict[str, Any]:
         if value is not None:
             values[name] = value
     return values
+
+
+RUN_ID_ENV = ENV_PREFIX + "RUN_ID"  # not a config field: the job a process belongs to
+
+
+def run_id_from_env() -> str | None:
+    """The id of the job this process belongs to (``HF_HYBRID_EP_RUN_ID``; ``None`` when unset): every attempt of
+    one job has the same — ``hf-hybrid-ep launch`` sets it for all of its attempts, a scheduler's job id serves
+    too — so that a restarted attempt takes over the leases and save claims of its own job at once
+    (:mod:`hf_hybrid_ep.checkpoint.lease`)."""
+    return os.environ.get(RUN_ID_ENV) or None

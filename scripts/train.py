@@ -12,7 +12,8 @@ documentation topics that ship with every Python (``pydoc_data.topics``) as the 
 ``DEMO_ARGS``; it writes ``runs/demo/``. With any argument ``DEMO_ARGS`` do not apply (each flag not given takes
 its ordinary default), while the model, tokenizer and corpus still default to the demo's. After a failure,
 ``--resume_from_checkpoint latest`` resumes from the newest complete checkpoint of ``--output_dir`` (a fresh start
-without one); ``hf-hybrid-ep launch`` reruns the whole command. Thin by design: argument parsing, data preparation,
+without one); ``hf-hybrid-ep launch`` reruns the whole command. A run holds a lease on ``--output_dir`` from the
+start: a second run on the same directory is refused while the first runs. Thin by design: argument parsing, data preparation,
 then library calls.
 """
 
@@ -41,6 +42,7 @@ from transformers import (
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError
+from hf_hybrid_ep.checkpoint.lease import hold_output_dir
 from hf_hybrid_ep.config import HybridEPConfigError, read_yaml_mapping
 from hf_hybrid_ep.integrations import HybridEP
 from hf_hybrid_ep.integrations.plugin import (
@@ -270,6 +272,7 @@ def main(argv: list[str]) -> None:
     )
     plugin.apply_to(training_args, explicit=explicit_flags(argv))
     lora = plugin.lora_config(lora_args.overrides())
+    hold_output_dir(training_args.output_dir)  # before the demo tokenizer or anything else is written there
 
     if data_args.dataset_name:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")

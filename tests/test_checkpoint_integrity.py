@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError
 from hf_hybrid_ep.checkpoint.atomic import open_checkpoint
 from hf_hybrid_ep.checkpoint.inspect import format_summary, inspect_checkpoint
+from hf_hybrid_ep.checkpoint.lease import STALE_AFTER_S, holder_record
 from hf_hybrid_ep.checkpoint.manifest import MANIFEST_KEY, SAVE_ID_KEY
 from hf_hybrid_ep.checkpoint.safetensors_io import read_header
 from hf_hybrid_ep.inference.offload import load_offloaded
@@ -82,21 +84,32 @@ def test_an_existing_output_is_refused_before_the_source_is_read(sources, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_a_live_claim_fails_a_second_writer_at_once_naming_it(sources, tmp_path):
+def test_a_live_claim_fails_a_second_writer_at_once_naming_it_and_what_to_do(sources, tmp_path, caplog):
+    """A claim of a running process on this host (this test's own: PID and start time match) and one of another
+    host with a fresh heartbeat refuse a second writer; the other host's, once its heartbeat is older than
+    STALE_AFTER_S, is cleared with a warning."""
     out = tmp_path / "out"
     lock = tmp_path / ".out.lock"
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "save_id": "x"}))
-    with pytest.raises(CheckpointError, match=f"PID {os.getppid()} on this host"):
+    lock.write_text(json.dumps(holder_record(save_id="x")))
+    with pytest.raises(CheckpointError, match=f"PID {os.getpid()} on this host .*wait for PID {os.getpid()} to "
+                                              "finish, or stop it"):
         _convert(sources[0], out)
-    lock.write_text(json.dumps({"host": "node-17", "pid": 1, "save_id": "x"}))
-    with pytest.raises(CheckpointError, match="host 'node-17'"):
+    lock.write_text(json.dumps({**holder_record(save_id="x"), "host": "node-17", "pid": 1, "run_id": "other"}))
+    with pytest.raises(CheckpointError, match=f"PID 1 on host 'node-17'.*once its heartbeat is {STALE_AFTER_S:.0f} "
+                                              "s old"):
         _convert(sources[0], out)
-    assert not out.exists() and lock.is_file(), "another host's claim is never touched"
+    assert not out.exists() and lock.is_file(), "another host's claim with a fresh heartbeat is left"
+    os.utime(lock, (time.time() - STALE_AFTER_S - 5,) * 2)
+    with caplog.at_level(logging.WARNING, logger="hf_hybrid_ep"):
+        _convert(sources[0], out)
+    assert "taking over the save claim of out from PID 1 on host 'node-17'" in caplog.text
+    assert f"over the {STALE_AFTER_S:.0f} s after which a holder on host 'node-17' counts as gone" in caplog.text
+    assert not lock.exists()
 
 
 def test_a_dead_writers_claim_and_staging_are_removed_and_reported(sources, tmp_path, caplog):
     out, pid = tmp_path / "out", _dead_pid()
-    claim = {"host": socket.gethostname(), "pid": pid, "save_id": "dead"}
+    claim = {**holder_record(save_id="dead"), "pid": pid}  # its process ended: /proc/PID is gone
     (tmp_path / ".out.lock").write_text(json.dumps(claim))
     container = tmp_path / ".out.new-dead"
     (container / "out").mkdir(parents=True)
@@ -121,8 +134,7 @@ def test_staging_of_other_targets_without_a_live_claim_is_removed_by_the_next_sa
     (orphan / "checkpoint-5").mkdir(parents=True)
     (orphan / "checkpoint-5" / "model.safetensors").write_bytes(b"\0" * 2**20)
     live, remote = tmp_path / ".checkpoint-6.new-4567", tmp_path / ".checkpoint-7.new-89ab"
-    for container, claim in ((live, {"host": socket.gethostname(), "pid": os.getpid()}),
-                             (remote, {"host": "node-17", "pid": 1})):
+    for container, claim in ((live, holder_record()), (remote, {**holder_record(), "host": "node-17", "pid": 1, "run_id": None})):
         container.mkdir()
         (tmp_path / f".{container.name.split('.')[1]}.lock").write_text(json.dumps({**claim, "save_id": "x"}))
     with caplog.at_level(logging.WARNING, logger="hf_hybrid_ep"):

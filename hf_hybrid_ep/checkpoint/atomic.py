@@ -3,9 +3,9 @@
 A save (a Trainer ``checkpoint-N``, a convert / reshard / export output) is written into
 ``.<name>.new-<save id>/<name>`` beside its target (a hidden container holding a directory of the
 target's own name, so that the Trainer can write its files there unchanged), claimed first with a
-lock file ``.<name>.lock`` (host, PID, save id) so that a second writer of the same target fails at
-once. When complete, every file and then the directory are fsynced and the staged directory is put
-in place:
+lock file ``.<name>.lock`` — a lease (:mod:`.lease`: host, PID, the process's start time, run id,
+heartbeat) — so that a second writer of the same target fails at once. When complete, every file
+and then the directory are fsynced and the staged directory is put in place:
 
 * target absent: ``rename`` (atomic);
 * target present: ``renameat2(RENAME_EXCHANGE)`` on Linux swaps the two directories atomically, then
@@ -27,13 +27,13 @@ import logging
 import os
 import re
 import shutil
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError
+from .lease import Holder, Verdict, acquire, clear_if_gone, held, wait_advice
 from .manifest import INDEX_NAME, CheckpointVerifier, is_complete, write_manifest
 from .safetensors_io import write_point
 
@@ -66,16 +66,6 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read_claim(lock: Path) -> dict:
     try:
         return json.loads(lock.read_text())
@@ -83,10 +73,11 @@ def _read_claim(lock: Path) -> dict:
         return {}
 
 
-CLAIM_NAME = "claim.json"  # inside each staging container: host, PID and save id of its writer
+CLAIM_NAME = "claim.json"  # inside each staging container: the record of its writer, as its claim holds it
 
 
 _CONTAINER = re.compile(r"^\.(?P<target>.+)\.(?:new|tmp)-[^/]+$")
+_LOCK = re.compile(r"^\.(?P<target>.+)\.lock$")
 
 
 def _leftovers(directory: Path) -> list[tuple[Path, Path]]:
@@ -100,29 +91,37 @@ def _leftovers(directory: Path) -> list[tuple[Path, Path]]:
     return found
 
 
-def _live(claim: dict, host: str) -> bool:
-    """Whether a claim may belong to a running writer: this host's live PID, or any claim of another host."""
-    pid = claim.get("pid")
-    return bool(claim) and (claim.get("host") != host or (isinstance(pid, int) and _pid_alive(pid)))
+def _clear_stale_claims(directory: Path, mine: Path) -> dict[Path, Holder]:
+    """Remove every claim in ``directory`` (other than ``mine``) whose writer is gone, logging each — what a crash
+    or a kill of a save left; return the live ones by target."""
+    live = {}
+    for lock in sorted(directory.glob(".*.lock")):
+        match = _LOCK.match(lock.name)
+        if match and lock != mine:
+            holder = clear_if_gone(lock, "the save claim")
+            if holder is not None:
+                live[directory / match["target"]] = holder
+    return live
 
 
-def _clean_leftovers(target: Path, host: str) -> None:
+def _clean_leftovers(target: Path) -> None:
     """Remove (and report, with their size) the staging containers of the directory of ``target`` — of any target
-    there — whose target holds no live claim: a writer holds its claim from before its container exists until
-    after it is gone, so such a container is what a crash, a kill or a full disk left. A container whose target is
-    claimed by a live writer, or by another host (whose PIDs cannot be checked from here), is reported and left.
+    there — whose target holds no live claim, and the claims of writers that are gone: a writer holds its claim
+    from before its container exists until after it is gone, so such a container is what a crash, a kill or a full
+    disk left. A container whose target is claimed by a live writer (:func:`~.lease.judge`) is reported and left.
     A ``.old-*`` copy beside a present target is what a portable commit had not yet removed."""
     if target.exists():
         for old in sorted(target.parent.glob(f".{target.name}.old-*")):
             logger.warning("removing %r (%.1f MiB), the previous copy of %s left by an interrupted save",
                            str(old), _dir_bytes(old) / 2**20, target.name)
             shutil.rmtree(old, ignore_errors=True)
+    live = _clear_stale_claims(target.parent, lock_path(target))
     for left, owner in _leftovers(target.parent):
         size = f"{_dir_bytes(left) / 2**20:.1f} MiB"
-        lock = {} if owner == target else _read_claim(lock_path(owner))  # this target: claimed by us now
-        if _live(lock, host):
-            logger.warning("leaving %r (%s) alone: %s is being written by PID %s on host %r", str(left), size,
-                           owner.name, lock.get("pid"), lock.get("host"))
+        holder = live.get(owner)  # never this target: claimed by this process now, its containers are earlier saves'
+        if holder is not None:
+            logger.warning("leaving %r (%s) alone: %s is being written by %s", str(left), size, owner.name,
+                           holder.describe())
             continue
         writer = _read_claim(left / CLAIM_NAME)
         was = (f"PID {writer.get('pid')} on host {writer.get('host')!r}, no longer running or holding no claim"
@@ -131,45 +130,37 @@ def _clean_leftovers(target: Path, host: str) -> None:
         shutil.rmtree(left, ignore_errors=True)
 
 
+def _refuse_claim(target: Path) -> Callable[[Holder, Verdict], CheckpointError]:
+    def refuse(holder: Holder, verdict: Verdict) -> CheckpointError:
+        return CheckpointError(
+            f"{str(target)!r} is being written by {holder.describe()}, claim {str(lock_path(target))!r}: another run "
+            f"or command is saving the same target. Write elsewhere, or {wait_advice(verdict, holder)}")
+    return refuse
+
+
 def claim(target: Path, save_id: str) -> Path:
     """Claim ``target`` for one save and create its empty staged directory; return that directory.
 
-    A live claim by another process fails at once, naming its host and PID. A stale claim (this host,
-    PID dead) is dropped; staging it left behind is removed when its recorded host is this one and its
-    PID is dead, and reported with its size either way; a claim of another host is never touched.
+    The claim is a lease (:mod:`.lease`: host, PID, the process's start time, run id, a heartbeat). A claim whose
+    writer still runs fails at once, naming it and what to do; one whose writer is gone (its process ended, its PID
+    now another process's, or — for a writer on another host — its heartbeat older than
+    :data:`~.lease.STALE_AFTER_S`) is cleared with a warning, as are such claims of other targets in the directory;
+    staging that gone writers left behind is removed and reported with its size.
 
     Raises:
         CheckpointError: naming the target and the process that holds it.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock = lock_path(target)
-    host = socket.gethostname()
-    body = json.dumps({"host": host, "pid": os.getpid(), "save_id": save_id})
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            held = _read_claim(lock)
-            if held.get("host") != host:
-                raise CheckpointError(
-                    f"{str(target)!r} is being written by PID {held.get('pid')} on host {held.get('host')!r} "
-                    f"(claim {str(lock)!r}); if that run is gone, delete the claim and its .new-* sibling"
-                ) from None
-            if isinstance(held.get("pid"), int) and _pid_alive(held["pid"]):
-                raise CheckpointError(
-                    f"{str(target)!r} is being written by PID {held['pid']} on this host (claim {str(lock)!r})"
-                ) from None
-            lock.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        break
-    else:  # pragma: no cover - the stale claim reappeared between two attempts
-        raise CheckpointError(f"could not claim {str(target)!r}: {str(lock)!r} keeps reappearing")
-    _clean_leftovers(target, host)
-    staging = staging_path(target, save_id)
-    staging.mkdir(parents=True)
-    (staging.parent / CLAIM_NAME).write_text(body)
+    lease = acquire(lock_path(target), {"save_id": save_id, "target": target.name}, _refuse_claim(target),
+                    f"the save claim of {target.name}")
+    try:
+        _clean_leftovers(target)
+        staging = staging_path(target, save_id)
+        staging.mkdir(parents=True)
+        (staging.parent / CLAIM_NAME).write_bytes(lease.path.read_bytes())
+    except BaseException:
+        lease.release()
+        raise
     return staging
 
 
@@ -177,7 +168,9 @@ def release(target: Path, staging: Path | None = None) -> None:
     """Drop the claim (and the staging container, if it is still there: the save failed)."""
     if staging is not None and staging.parent.exists():
         shutil.rmtree(staging.parent, ignore_errors=True)
-    lock_path(target).unlink(missing_ok=True)
+    lease = held(lock_path(target))
+    if lease is not None:
+        lease.release()
 
 
 def fsync_tree(root: Path) -> None:

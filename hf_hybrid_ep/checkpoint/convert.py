@@ -33,6 +33,7 @@ from .dequantize import DEFAULT_DTYPE, Dequantizer, quantization_of
 from .format import (
     INDEX_NAME,
     SINGLE_NAME,
+    TRAINING_STATE,
     CheckpointIndex,
     FileInfo,
     HybridEPMetadata,
@@ -129,13 +130,16 @@ def _drop_quantization_config(config: Path) -> None:
     config.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _copy_side_files(src: Path, dst: Path, keep_hybrid_state: bool = True) -> None:
-    """Copy config, tokenizer and other non-weight files (and the hybrid-EP side file if asked)."""
+def _copy_side_files(src: Path, dst: Path, plain_model: bool = False) -> None:
+    """Copy config, tokenizer and other non-weight files; ``plain_model`` (export): model files only — neither the
+    hybrid-EP side file nor a Trainer checkpoint's training state (:data:`~.format.TRAINING_STATE`)."""
     for f in sorted(src.iterdir()):
         if not f.is_file() or f.name.startswith(".") or f.name == INDEX_NAME:
             continue
+        if plain_model and TRAINING_STATE.match(f.name):
+            continue
         if f.name == SIDE_FILE:
-            if keep_hybrid_state:
+            if not plain_model:
                 shutil.copy2(f, dst / f.name)
         elif not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, dst / f.name)
@@ -167,7 +171,7 @@ def _rewrite(
     finish: Callable[[Path, dict[str, str], dict[str, FileInfo], int], None],
     dtype: torch.dtype | None,
     progress: bool,
-    keep_hybrid_state: bool = True,
+    plain_model: bool = False,
     tensors: _Tensors | None = None,
 ) -> None:
     """Stream every tensor of a (checked) source index into the files ``assign`` lays out in the staging
@@ -208,8 +212,23 @@ def _rewrite(
             w.abort()
         raise
     infos = {file: FileInfo("", (tmp / file).stat().st_size, sha256_file(tmp / file)) for file in file_map}
-    _copy_side_files(src_dir, tmp, keep_hybrid_state)
+    _copy_side_files(src_dir, tmp, plain_model)
     finish(tmp, weight_map, infos, sum(s.nbytes for specs in file_map.values() for s in specs))
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint: model weights (an index or one file), adapters, or Trainer state."""
+    return any((directory / name).is_file() for name in (INDEX_NAME, SINGLE_NAME, "adapter_model.safetensors",
+                                                         "trainer_state.json"))
+
+
+def check_outside_checkpoints(out: Path) -> None:
+    """Refuse an output inside an existing checkpoint (checked before any work): it would be a folder that
+    checkpoint's manifest does not list, which loaders never read and which a save of that checkpoint replaces."""
+    for parent in Path(out).resolve().parents:
+        if _is_checkpoint(parent):
+            raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(parent)!r}: write it outside "
+                                  f"any checkpoint, e.g. {str(parent.parent / f'{parent.name}-{Path(out).name}')!r}")
 
 
 def free_bytes(directory: Path) -> int:
@@ -276,7 +295,7 @@ def convert_checkpoint(
     ``quantization_config`` and its index records the method (``source.dequantized_from``). Keys the
     model never loads (DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*``) are left out.
 
-    OUT is checked first (it must not exist or be empty) and claimed, so a concurrent convert into
+    OUT is checked first (it must not exist or be empty, nor lie inside a checkpoint) and claimed, so a concurrent convert into
     it fails at once; the output's size is stated (with ``progress``) and checked against the free
     space of OUT's filesystem; the result is staged and renamed into place complete (:mod:`.atomic`).
     No code the source's config names (``auto_map``) runs unless ``trust_remote_code=True``.
@@ -293,6 +312,7 @@ def convert_checkpoint(
     torch_dtype = DTYPES[dtype] if dtype else None
     out = Path(out)
     check_output_free(out)
+    check_outside_checkpoints(out)
     with staged_save(out, fresh=True) as (tmp, save_id):
         convert_into(src, tmp, save_id, ep_degree=ep_degree, placement=placement, dtype=torch_dtype,
                      revision=revision, max_shard_bytes=max_shard_bytes, progress=progress,
@@ -457,17 +477,22 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
 ) -> list[str]:
-    """Write a plain Hugging Face checkpoint (the model's original key format, standard shard names).
+    """Write a plain Hugging Face checkpoint (the model's original key format, standard shard names): the model's
+    files only — weights, config, tokenizer — never a Trainer checkpoint's training state.
 
-    Returns the names of the side state that was dropped because vanilla transformers has no place
-    for it (today: the hybrid_ep metadata block).
+    Returns what was left out, each with why: the hybrid_ep metadata block and side state, which vanilla
+    transformers has no place for, and the training state (optimizer, scheduler, RNG, Trainer state).
     """
     src_dir, out = Path(src), Path(out)
     check_output_free(out)
+    check_outside_checkpoints(out)
     index = read_index(src_dir)
     dropped = ["model.safetensors.index.json: metadata.hybrid_ep"] if index.hybrid_ep is not None else []
     if (src_dir / SIDE_FILE).is_file():
         dropped.append(f"{SIDE_FILE}: selection-only router biases (aux-loss-free balancing)")
+    training = sorted(f.name for f in src_dir.iterdir() if f.is_file() and TRAINING_STATE.match(f.name))
+    if training:
+        dropped.append(f"{', '.join(training)}: training state (resume from {src_dir.name} itself)")
 
     def assign(specs: dict[str, TensorSpec]) -> dict[str, list[TensorSpec]]:
         groups = _pack_by_size([s for _, s in sorted(specs.items())], max_shard_bytes)
@@ -477,5 +502,5 @@ def export_checkpoint(
         write_index(tmp, weight_map, total, None)
 
     with staged_save(out, fresh=True) as (tmp, save_id):
-        _rewrite(index, tmp, save_id, assign, finish, None, progress, keep_hybrid_state=False)
+        _rewrite(index, tmp, save_id, assign, finish, None, progress, plain_model=True)
     return dropped

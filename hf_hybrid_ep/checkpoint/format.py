@@ -28,6 +28,13 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: ``placement`` may be per layer; 1 (one table for every layer) still loads
 READABLE_VERSIONS = (1, 2)
+OPTIMIZER_TENSORS_NAME = "optimizer.safetensors"  # a Trainer checkpoint's optimizer state (integrations.optimizer_state)
+OPTIMIZER_META_NAME = "optimizer.json"
+# What a Trainer checkpoint holds besides the model: the optimizer state above and the Trainer's own files
+# (transformers.trainer's TRAINER_STATE_NAME, TRAINING_ARGS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME,
+# rng_state*.pth) — never part of a plain model directory.
+TRAINING_STATE = re.compile(r"^(trainer_state\.json|training_args\.bin|optimizer\.(json|safetensors|pt)|scheduler\.pt"
+                            r"|scaler\.pt|rng_state(_\d+)?\.pth)$")
 PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)$")
 
 

@@ -412,6 +412,7 @@ def from_pretrained(
         load_rank_local_(root, m, layers, dtype, fetch, verifier, quantization, device)
 
     parallelize(model, config, materialize=materialize)
+    state_of(model).weights_from = str(path)
     load_side_state(model, root, verifier)
     model.eval()
     return model

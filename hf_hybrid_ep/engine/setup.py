@@ -9,7 +9,6 @@ the layers and a token's path through them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Callable
 
@@ -55,8 +54,6 @@ from .nonfinite import watch_optimizers
 from .optimizers import wait_for_parameters
 from .state import HybridEPState, attach, carries_state, is_parallelized, state_of
 from .step import after_forward, before_forward
-
-logger = logging.getLogger("hf_hybrid_ep")
 
 
 def _check_same_everywhere(model: nn.Module, tables: list[PlacementTable], mesh: HybridMesh) -> None:
@@ -106,7 +103,7 @@ def parallelize(
     config = config or HybridEPConfig()
     found = check_shardable(model)
     adapters = _check_adapters(model=model, config=config, found=found)
-    mesh, tables, backend = _apply_layout(model=model, config=config, found=found)
+    mesh, tables, backend, choice = _apply_layout(model=model, config=config, found=found)
     device = _apply_device(model=model, mesh=mesh)
     if not any(p.is_meta for p in model.parameters()):
         _check_same_everywhere(model, tables, mesh)
@@ -121,7 +118,8 @@ def parallelize(
     reducer = _apply_gradient_reduction(model=model, config=config, layers=layers, mesh=mesh)
     shadows = ShadowManager(layers, mesh, config.shadow_capacity) if config.shadow_experts else None
     backward = BackwardSequence(reducer, agreement, shadows)
-    attach(model, HybridEPState(config, mesh, layers, reducer, backward, agreement, shadows=shadows))
+    attach(model, HybridEPState(config, mesh, layers, reducer, backward, agreement, shadows=shadows,
+                                dispatcher_choice=choice))
     _apply_hooks(model=model)
     if config.rebalancing:
         state_of(model).rebalancer = Rebalancer(model, layers, mesh, reducer, config)
@@ -211,9 +209,10 @@ def parallelize_peft_model(peft_model: nn.Module) -> nn.Module:
 
 
 def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple[str, nn.Module]],
-                  ) -> tuple[HybridMesh, list[PlacementTable], str]:
+                  ) -> tuple[HybridMesh, list[PlacementTable], str, str]:
     """Resolve dp × ep for this world, build the mesh and one placement table per experts module, and choose
-    the dispatcher backend (once for the model, logged with its reason).
+    the dispatcher backend (once for the model: its name and the choice said with its reason, for the start-up
+    summary).
 
     One layout for all layers: resolved against the gcd of the layers' expert counts."""
     dp, ep = config.resolve(world_size(), math.gcd(*(m.num_experts for _, m in found)))
@@ -227,9 +226,7 @@ def _apply_layout(*, model: nn.Module, config: HybridEPConfig, found: list[tuple
     top_k = max((int(r[1].top_k) for r in routers if r is not None), default=1)
     backend, why = choose_backend(config.dispatcher, mesh, top_k, max(t.slots_per_rank for t in tables),
                                   *_row_width(found[0][1]))
-    if mesh.rank == 0:
-        logger.info("dispatcher %r -> %s (%s)", config.dispatcher, backend, why)
-    return mesh, tables, backend
+    return mesh, tables, backend, f"{config.dispatcher!r} -> {backend} ({why})"
 
 
 def _row_width(experts: nn.Module) -> tuple[int, int]:

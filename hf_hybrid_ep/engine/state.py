@@ -53,6 +53,9 @@ class HybridEPState:
     shadows: ShadowManager | None = None  # hot-expert shadowing (config.shadow_experts)
     rebalancer: Rebalancer | None = None  # online rebalancing (config.rebalance_*)
     skipped: SkippedSteps = field(default_factory=SkippedSteps)
+    dispatcher_choice: str = ""  # the backend asked for, the one chosen and why (the start-up summary says it)
+    weights_from: str | None = None  # the checkpoint or Hub id from_pretrained read
+    summary_logged: bool = False  # the start-up summary (:mod:`hf_hybrid_ep.engine.summary`) was logged
 
     def expert_parameter_names(self, model: nn.Module) -> list[str]:
         """Qualified names of this rank's expert parameters and their adapters' factors (e.g. for DDP's ignore

@@ -16,13 +16,18 @@ from ..moe.load import reduce_step_loads
 from .nonfinite import new_gradients, rebalancing_optimizer
 from .optimizers import wait_for_parameters
 from .state import state_of
+from .summary import log_startup_summary
 
 
 def before_forward(model: nn.Module, args) -> None:
     """Attach the gradient buffers before a forward that will be differentiated (whose gradients the next
-    optimizer step's non-finite check decides on anew)."""
+    optimizer step's non-finite check decides on anew); the first one logs the start-up summary unless the Trainer
+    has (:mod:`hf_hybrid_ep.engine.summary`)."""
     if torch.is_grad_enabled():
-        state_of(model).reducer.attach_grads()
+        state = state_of(model)
+        if not state.summary_logged:
+            log_startup_summary(model)
+        state.reducer.attach_grads()
         new_gradients(model)
 
 

@@ -8,7 +8,9 @@ with gloo on torch 2.13 the new workers die in ``connectFullMesh`` ("Connection 
 fresh launch: new processes, a new process group on a new port, and the training command resumes from the newest
 complete checkpoint of its output directory (``--resume_from_checkpoint latest``; a fresh start when there is
 none). Before the next attempt the failed one's leftover processes (its whole process group) are ended, so a rank
-that hangs cannot hold the job.
+that hangs cannot hold the job. Every attempt runs with the same ``HF_HYBRID_EP_RUN_ID`` (kept when set, else
+drawn here), by which it takes over the lease of the output directory and the save claims its predecessor left,
+even from another host (:mod:`hf_hybrid_ep.checkpoint.lease`).
 
 ``--min-processes M`` allows a smaller world: an attempt that failed without writing a new checkpoint (a failure
 that repeats, such as a lost GPU) is followed by one at the largest number of processes below the current, and at
@@ -26,9 +28,11 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import RUN_ID_ENV
 from ..errors import HybridEPConfigError
 from .resume import latest_checkpoint
 
@@ -135,10 +139,10 @@ def _stop(signum: int, frame) -> None:
     raise Stopped(signum)
 
 
-def run_attempt(command: list[str]) -> int:
-    """Run ``command`` in a session of its own; when it ends (or the launcher is stopped), end whatever of it is
-    left. Its exit status (a signal's number negated)."""
-    process = subprocess.Popen(command, start_new_session=True)
+def run_attempt(command: list[str], env: dict[str, str] | None = None) -> int:
+    """Run ``command`` (in environment ``env``, default this process's) in a session of its own; when it ends (or
+    the launcher is stopped), end whatever of it is left. Its exit status (a signal's number negated)."""
+    process = subprocess.Popen(command, start_new_session=True, env=env)
     try:
         code = process.wait()
     finally:
@@ -197,21 +201,24 @@ def supervise(command: list[str], max_restarts: int, min_processes: int | None =
     if "--resume_from_checkpoint" not in " ".join(job.script):
         _say("the command passes no --resume_from_checkpoint: unless its --hybrid_ep_config file sets "
              "resume_from_checkpoint: latest, every restart starts from scratch")
+    env = {**os.environ, RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]}  # one for every attempt
+    _say(f"run id {env[RUN_ID_ENV]} ({RUN_ID_ENV}): each attempt takes over its predecessor's lease and save claims")
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop)
     try:
-        return _attempts(job, max_restarts, min_processes, gpu_memory_gib)
+        return _attempts(job, max_restarts, min_processes, gpu_memory_gib, env)
     except (Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
         _say(f"stopped by {signal.Signals(signum).name}: the job's processes were ended, no restart")
         return 128 + signum
 
 
-def _attempts(job: Job, max_restarts: int, min_processes: int | None, gpu_memory_gib: float | None) -> int:
+def _attempts(job: Job, max_restarts: int, min_processes: int | None, gpu_memory_gib: float | None,
+              env: dict[str, str]) -> int:
     code = 0
     for attempt in range(max_restarts + 1):
         before = latest_checkpoint(job.output_dir) if job.output_dir else None
-        code = run_attempt(job.command(_free_port()))
+        code = run_attempt(job.command(_free_port()), env)
         if code == 0:
             return 0
         after = latest_checkpoint(job.output_dir) if job.output_dir else None

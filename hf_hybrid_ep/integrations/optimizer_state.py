@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..checkpoint.atomic import open_checkpoint
+from ..checkpoint.format import OPTIMIZER_META_NAME, OPTIMIZER_TENSORS_NAME
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.safetensors_io import write_point
 from ..engine.state import state_of
@@ -31,8 +32,8 @@ from ..parallel.heartbeat import Heartbeat
 from ..parallel.mesh import is_dtensor
 from ..parallel.zero import ShardedOptimizer, groups_by_param, scalar_state
 
-TENSORS_NAME = "optimizer.safetensors"
-META_NAME = "optimizer.json"
+TENSORS_NAME = OPTIMIZER_TENSORS_NAME
+META_NAME = OPTIMIZER_META_NAME
 
 
 def _names(model: nn.Module) -> dict[int, str]:

@@ -22,6 +22,9 @@ class's own:
 * ``train(resume_from_checkpoint="latest")`` (or ``True``) resumes from the newest complete checkpoint of the output
   directory and starts fresh when there is none; ``expert_load.jsonl`` loses the records of later steps, which
   the resumed run logs again (:mod:`hf_hybrid_ep.integrations.resume`);
+* ``train()`` holds the output directory's run lease (:func:`hf_hybrid_ep.checkpoint.lease.hold_output_dir`) from
+  its start to its end: a second run on a directory that a live run holds is refused on every rank, naming it; it logs the
+  start-up summary on rank 0 (:mod:`hf_hybrid_ep.engine.summary`), shown at transformers' default verbosity;
 * ``train()`` runs under the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`): no progress for the collective
   timeout (``collective_timeout_s``, else ``--ddp_timeout``) ends every rank with one message naming where.
 """
@@ -39,9 +42,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import logging as hf_logging
 
 from ..checkpoint.adapters import load_adapter_
 from ..checkpoint.atomic import open_checkpoint, staged_save
+from ..checkpoint.lease import hold_output_dir
 from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
 from ..checkpoint.side_state import load_side_state, save_side_state
@@ -56,6 +61,7 @@ from ..engine.replicas import verify_model_replicas
 from ..engine.routing_replay import ReplayStats
 from ..engine.state import state_of
 from ..engine.step import after_optimizer_step
+from ..engine.summary import log_startup_summary
 from ..errors import HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
@@ -203,12 +209,24 @@ class _EngineMethods(Trainer):
         return optimizer
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint="latest"`` or ``True``: the newest complete checkpoint of the
-        output directory, or a fresh start when there is none. The summary metrics also carry this rank's bytes of
-        weights, gradients and optimizer state (``hybrid_ep_*_bytes``, as :func:`hf_hybrid_ep.memory.memory_report`
-        measures)."""
+        """``Trainer.train``, holding the output directory's run lease throughout (a directory another live run
+        holds is refused, naming it); ``resume_from_checkpoint="latest"`` or ``True``: the newest complete checkpoint
+        of the output directory, or a fresh start when there is none. The summary metrics also carry this rank's
+        bytes of weights, gradients and optimizer state (``hybrid_ep_*_bytes``, as
+        :func:`hf_hybrid_ep.memory.memory_report` measures)."""
+        taken = hold_output_dir(self.args.output_dir)  # before anything is read or written there
+        try:
+            return self._train_holding_the_lease(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if taken is not None:  # a lease the script took before (scripts/train.py) stays until it exits
+                taken.release()
+
+    def _train_holding_the_lease(self, resume_from_checkpoint: str | bool | None, *args, **kwargs):
         resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir,
                                                 main_process=self.args.should_save)
+        start = f"resuming from {resume_from_checkpoint}" if resume_from_checkpoint else "starting fresh"
+        log_startup_summary(self.hybrid_model, f"{start} (output directory {self.args.output_dir})",
+                            shown=hf_logging.get_verbosity() <= logging.WARNING)
         config = state_of(self.hybrid_model).config
         watchdog.start(config.collective_timeout_s or self.args.ddp_timeout)
         with watchdog.region(f"{type(self).__name__}.train (DDP's all-reduce and buffer broadcast, Accelerate's gathers)"):

@@ -69,7 +69,8 @@ def dispatcher_equivalence(model_type: str, dp: int, ep: int, topology: str | No
 
 def dispatcher_choice(dp: int, ep: int, dispatcher: str, topology: str | None = None,
                       local_world_size: int | None = None) -> dict:
-    """The dispatcher class every layer got, and the ``hf_hybrid_ep`` log lines of ``parallelize``."""
+    """The dispatcher class every layer got, and the dispatcher lines of the ``hf_hybrid_ep`` log (the start-up
+    summary, logged at the first training forward)."""
     import logging
 
     records: list[str] = []
@@ -85,8 +86,10 @@ def dispatcher_choice(dp: int, ep: int, dispatcher: str, topology: str | None = 
         torch.manual_seed(0)
         model = build_tiny_model("qwen3_moe", num_experts=4)
         hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, dispatcher=dispatcher, topology=topology))
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, 8))).logits.sum().backward()
+        lines = [line.strip() for m in records for line in m.splitlines()]
         return {"kinds": sorted({type(layer.dispatcher).__name__ for layer in hep.state_of(model).layers}),
-                "log": [m for m in records if m.startswith("dispatcher")]}
+                "log": [line for line in lines if line.startswith("dispatcher")]}
     except hep.HybridEPConfigError as err:
         return {"error": str(err)}
     finally:
