@@ -10,8 +10,8 @@ directory PEFT reads by its two file names only, so the file is ignored by ``Pef
      "file_sha256": "…"}
 
 ``file_sha256`` is the digest of the holding file's content without itself, so an edited index or manifest is
-refused. ``README.md`` (the model card, which ``push`` rewrites) is not listed, nor a nested directory that holds
-a manifest of its own (a save inside the save). Every safetensors file a save writes also carries
+refused. ``README.md`` (the model card, which ``push_to_hub`` rewrites) is not listed, nor the files of a nested
+directory with a weight index or manifest file of its own (a save inside the save, which that file covers). Every safetensors file a save writes also carries
 ``hybrid_ep_save_id`` in its header metadata, so a directory whose files come from different saves is refused,
 naming them, even where sizes agree. Vanilla transformers ignores both (it reads only ``weight_map`` and
 ``total_size``).
@@ -77,7 +77,7 @@ def manifest_path(root: Path) -> Path | None:
 
 def _listed_files(root: Path) -> list[Path]:
     """The files of the save in ``root`` a manifest lists: all but :data:`NOT_LISTED`, hidden ones and those of a
-    nested directory that holds a manifest of its own."""
+    nested directory with a weight index or manifest file of its own."""
     nested = [d for d in root.rglob("*") if d.is_dir() and manifest_path(d) is not None]
     return [p for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() not in NOT_LISTED
             and not p.name.startswith(".") and not any(d in p.parents for d in nested)]
