@@ -201,13 +201,21 @@ def test_the_saved_adapter_config_is_the_truth_on_resume(pools, lora_run, tmp_pa
 
 
 def test_a_trainer_refuses_to_resume_adapters_of_another_config(pools, tmp_path):
-    """The library's own check, for a PeftModel built by hand: ``HybridEP(Trainer).train(resume_from_checkpoint=...)``
-    with ``lora_alpha`` 16 on a checkpoint saved at 8 is refused before any step, naming both values."""
+    """The library's own checks, for models built by hand: ``HybridEP(Trainer).train(resume_from_checkpoint=...)`` of
+    a PeftModel with ``lora_alpha`` 16 on a checkpoint saved at 8, of a model without adapters, or from a directory
+    whose manifest is gone, is refused before any step."""
+    from worker_pool import RankError
+
     pool = pools(2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
     pool.run(cases.trainer_lora_run, 1, 2, str(tmp_path / "run"), 2, 2)
-    for r in pool.run(cases.trainer_lora_run, 1, 2, str(tmp_path / "run"), 4, None,
-                      str(tmp_path / "run" / "checkpoint-2"), lora_alpha=16):
+    for r in pool.run(cases.trainer_lora_run, 1, 2, str(tmp_path / "run"), 4, None, str(checkpoint), lora_alpha=16):
         assert "lora_alpha: 16 in the model, 8 saved" in r["error"] and r["steps"] == 0, r
+    with pytest.raises(RankError, match="is a checkpoint of PEFT adapters; the model is not a PeftModel"):
+        pool.run(cases.trainer_run, 1, 2, str(tmp_path / "full"), 4, None, str(checkpoint))
+    (checkpoint / "hybrid_ep_manifest.json").unlink()
+    for r in pool.run(cases.trainer_lora_run, 1, 2, str(tmp_path / "run"), 4, None, str(checkpoint)):
+        assert "has no manifest" in r["error"] and r["steps"] == 0, r
 
 
 def test_the_launcher_plans_a_smaller_world_from_an_adapter_checkpoint(lora_run):

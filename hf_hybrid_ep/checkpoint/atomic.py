@@ -281,9 +281,9 @@ def check_output_free(target: Path) -> None:
 
 @contextmanager
 def staged_save(target: Path, *, save_id: str | None = None, fresh: bool = False) -> Iterator[tuple[Path, str]]:
-    """Claim ``target``, yield ``(staging directory, save id)``; on a clean exit write the manifest
-    (into the staging directory's weight index, or ``hybrid_ep_manifest.json`` when it has none) and :func:`commit`. On an exception the staging
-    directory is removed and ``target`` is untouched.
+    """Claim ``target``, yield ``(staging directory, save id)``; on a clean exit write the manifest (into the
+    staging directory's weight index, or ``hybrid_ep_manifest.json`` when it has none) and :func:`commit`. On an
+    exception the staging directory is removed and ``target`` is untouched.
 
     Args:
         fresh: ``target`` must not exist or be empty (convert, reshard, export), checked first.
