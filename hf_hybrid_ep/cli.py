@@ -130,7 +130,8 @@ def _add_report_commands(sub) -> None:
     p.add_argument("stats", help="expert_load.jsonl written during training")
     p.add_argument("--out", required=True, help="directory for the PNG plots and summary.txt")
 
-    p = sub.add_parser("inspect", help="layers, experts, ranks and bytes per file")
+    p = sub.add_parser("inspect", help="layers, experts, ranks and bytes per file (of a PEFT adapter directory: its "
+                       "adapter config and tensors)")
     p.add_argument("ckpt")
     p.add_argument("--verify", action="store_true", help="re-hash every file against its checksum and report "
                    "tensors holding NaN or inf (exit status 1 when there are any)")

@@ -13,7 +13,9 @@ documentation topics that ship with every Python (``pydoc_data.topics``) as the 
 its ordinary default), while the model, tokenizer and corpus still default to the demo's. After a failure,
 ``--resume_from_checkpoint latest`` resumes from the newest complete checkpoint of ``--output_dir`` (a fresh start
 without one); ``hf-hybrid-ep launch`` reruns the whole command. A run holds a lease on ``--output_dir`` from the
-start: a second run on the same directory is refused while the first runs. Thin by design: argument parsing, data preparation,
+start: a second run on the same directory is refused while the first runs. A resume of LoRA adapters continues
+with the adapter config saved in the checkpoint: ``--lora_*`` flags or a ``peft:`` section that contradict it are
+refused, naming both values. Thin by design: argument parsing, data preparation,
 then library calls.
 """
 
@@ -51,6 +53,7 @@ from hf_hybrid_ep.integrations.plugin import (
     check_peft_block,
     explicit_flags,
 )
+from hf_hybrid_ep.integrations.resume import resume_target
 
 TRAIN_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 ASSETS = Path(__file__).resolve().parent / "demo_assets"
@@ -271,8 +274,10 @@ def main(argv: list[str]) -> None:
         ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}
     )
     plugin.apply_to(training_args, explicit=explicit_flags(argv))
-    lora = plugin.lora_config(lora_args.overrides())
     hold_output_dir(training_args.output_dir)  # before the demo tokenizer or anything else is written there
+    # resuming adapters: the checkpoint's adapter config, which the flags and the peft: section must not contradict
+    lora = plugin.lora_config(lora_args.overrides(),
+                              resume_target(training_args.resume_from_checkpoint, training_args.output_dir))
 
     if data_args.dataset_name:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")

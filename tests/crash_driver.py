@@ -28,17 +28,35 @@ import hf_hybrid_ep as hep  # noqa: E402
 from hf_hybrid_ep.checkpoint import safetensors_io  # noqa: E402
 from hf_hybrid_ep.checkpoint.atomic import open_checkpoint  # noqa: E402
 from hf_hybrid_ep.checkpoint.convert import convert_checkpoint  # noqa: E402
+from hf_hybrid_ep.checkpoint.manifest import NOT_LISTED  # noqa: E402
 from hf_hybrid_ep.checkpoint.safetensors_io import CheckpointError  # noqa: E402
 
 CRASH_EXIT = 17
 
 
 def _instrument_trainer_writes() -> None:
-    """The Trainer's own files (torch.save, trainer_state.json) are write points too."""
+    """The Trainer's own files (torch.save, trainer_state.json) and PEFT's (adapter weights and config) are write
+    points too."""
+    import peft.config
+    import peft.peft_model
     import transformers.trainer as trainer_module
     from transformers.trainer_callback import TrainerState
 
     original_save, original_json = torch.save, TrainerState.save_to_json
+    original_weights, original_config = peft.peft_model.safe_save_file, peft.config.PeftConfigMixin.save_pretrained
+
+    def save_weights(tensors, filename, *args, **kwargs):
+        safetensors_io.write_point(f"open {Path(filename).name}")
+        original_weights(tensors, filename, *args, **kwargs)
+        safetensors_io.write_point(f"close {Path(filename).name}")
+
+    def save_config(self, save_directory, *args, **kwargs):
+        safetensors_io.write_point("open adapter_config.json")
+        original_config(self, save_directory, *args, **kwargs)
+        safetensors_io.write_point("close adapter_config.json")
+
+    peft.peft_model.safe_save_file = save_weights
+    peft.config.PeftConfigMixin.save_pretrained = save_config
 
     def save(obj, f, *args, **kwargs):
         safetensors_io.write_point(f"open {Path(str(f)).name}")
@@ -82,9 +100,9 @@ def identity(root: Path) -> tuple[str, dict[str, str]] | None:
     checker.check_all()
     on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
                and not any(part.startswith(".") for part in p.relative_to(root).parts)}
-    listed = set(checker.manifest["files"]) | {"model.safetensors.index.json"}
-    if on_disk != listed:
-        raise CheckpointError(f"{root}: files {sorted(on_disk ^ listed)} not in the manifest")
+    listed = set(checker.manifest["files"])
+    if on_disk - set(NOT_LISTED) != listed:
+        raise CheckpointError(f"{root}: files {sorted((on_disk - set(NOT_LISTED)) ^ listed)} not in the manifest")
     return checker.save_id, digest(root)
 
 
@@ -180,35 +198,31 @@ def crash_every_point(name: str, target: Path, before: Callable[[], None], actio
             "after_crash_outcome": outcome(target, old, new, load)}
 
 
-def main(work: Path) -> dict:
-    from tiny_models import build_tiny_model
+def _training_saves(work: Path, model: torch.nn.Module, portable: bool) -> dict:
+    """A Trainer save of ``model`` (parallelized in a world of one) over an existing ``checkpoint-2`` of other
+    weights, crashed at every write point (and, with ``portable``, through the two-rename commit); then one byte
+    flipped in each file of a complete save, each copy resumed from."""
     from trainer_cases import arguments, dataset
     from transformers import Trainer
 
     from hf_hybrid_ep.integrations.trainer import HybridEP
 
-    _instrument_trainer_writes()
     report: dict = {}
-
-    # ---------------------------------------------------------------- a training save over checkpoint-2
-    torch.manual_seed(0)
-    model = build_tiny_model("qwen3_moe", num_experts=4)
-    source_use_cache = model.config.use_cache
-    hep.parallelize(model, hep.HybridEPConfig())
     trainer = HybridEP(Trainer)(model, arguments(str(work / "run"), 2, 2, save_steps=2), train_dataset=dataset(16))
     trainer.create_optimizer_and_scheduler(num_training_steps=2)
     trainer.state.global_step = 2
     run = work / "run"
     target = run / "checkpoint-2"
     pristine_old = work / "old-checkpoint-2"
+    trained = [p for p in model.parameters() if p.requires_grad]
 
     with torch.no_grad():  # the old checkpoint: other weights
-        for p in model.parameters():
+        for p in trained:
             p.add_(0.5)
     trainer._save_checkpoint(trainer.model, None)
     shutil.move(target, pristine_old)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in trained:
             p.sub_(0.5)
     old = identity(pristine_old)
 
@@ -228,19 +242,17 @@ def main(work: Path) -> dict:
     _, _ = run_forked(train_save, None)
     new = digest(target)
     assert new != old[1]
-    report["train_save_exchange"] = crash_every_point("train", target, reset_run, train_save, old, new, load_training)
-    # the portable commit: staging is the same code as above, so crash from the index write on
-    report["train_save_portable"] = crash_every_point("train-portable", target, reset_run, train_save, old, new,
-                                                      load_training, env={"HF_HYBRID_EP_NO_RENAME_EXCHANGE": "1"},
-                                                      from_point="index written")
+    report["exchange"] = crash_every_point("train", target, reset_run, train_save, old, new, load_training)
+    if portable:  # staging is the same code as above, so crash from the index write on
+        report["portable"] = crash_every_point("train-portable", target, reset_run, train_save, old, new,
+                                               load_training, env={"HF_HYBRID_EP_NO_RENAME_EXCHANGE": "1"},
+                                               from_point="index written")
 
-    # ---------------------------------------------------------------- corrupted bytes, one file at a time
     reset_run()
     train_save()
-    report["use_cache"] = {"source": source_use_cache, "during_training": model.config.use_cache,
-                           "saved": json.loads((target / "config.json").read_text()).get("use_cache")}
+    report["config"] = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else {}
     corrupt = []
-    for path in sorted(p for p in target.iterdir() if p.is_file()):
+    for path in sorted(p for p in target.iterdir() if p.is_file() and p.name != "README.md"):  # the model card
         copy = work / "corrupt" / "checkpoint-2"
         shutil.rmtree(copy.parent, ignore_errors=True)
         shutil.copytree(target, copy)
@@ -249,6 +261,35 @@ def main(work: Path) -> dict:
         (copy / path.name).write_bytes(bytes(data))
         corrupt.append({"file": path.name, "outcome": load_in_child(load_training, copy) or "loaded"})
     report["corrupted_byte"] = corrupt
+    return report
+
+
+def main(work: Path) -> dict:
+    from dist_cases.lora import lora_config
+    from peft import get_peft_model
+    from tiny_models import build_tiny_model
+
+    _instrument_trainer_writes()
+    report: dict = {}
+
+    # ---------------------------------------------------------------- a training save over checkpoint-2
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen3_moe", num_experts=4)
+    source_use_cache = model.config.use_cache
+    hep.parallelize(model, hep.HybridEPConfig())
+    full = _training_saves(work / "full", model, portable=True)
+    report["train_save_exchange"], report["train_save_portable"] = full["exchange"], full["portable"]
+    report["use_cache"] = {"source": source_use_cache, "during_training": model.config.use_cache,
+                           "saved": full["config"].get("use_cache")}
+    report["corrupted_byte"] = full["corrupted_byte"]
+
+    # ---------------------------------------------------------------- the same, of a PeftModel's adapters
+    torch.manual_seed(0)
+    peft_model = hep.parallelize(get_peft_model(build_tiny_model("qwen3_moe", num_experts=4),
+                                                lora_config("qwen3_moe")), hep.HybridEPConfig())
+    adapters = _training_saves(work / "adapters", peft_model, portable=False)
+    report["adapter_save_exchange"] = adapters["exchange"]
+    report["adapter_corrupted_byte"] = adapters["corrupted_byte"]
 
     # ---------------------------------------------------------------- convert and reshard into fresh outputs
     from checkpoint_fixtures import save_source

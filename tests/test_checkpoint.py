@@ -52,7 +52,7 @@ def test_converted_layout_and_metadata(source, tmp_path):
     meta = index.hybrid_ep
     assert meta.ep_degree == 2 and meta.num_experts == 4 and meta.placement == [[0, 1], [2, 3]]
     assert meta.source == {"folder": source.name}
-    verify_checksums(index)
+    verify_checksums(index.root)
     roles = {info.role for info in meta.files.values()}
     if meta.storage == "per_expert":
         assert roles == {"dense", "experts"}

@@ -4,7 +4,8 @@ corrupted byte in any file is refused at load, naming the file.
 The crashes are ``os._exit`` in forked children (``tests/crash_driver.py``, one fresh process with one
 thread): at every open/close of a file, fsync, rename and index write of a Trainer checkpoint save
 over an existing ``checkpoint-N`` (with ``renameat2`` exchange; the portable two-rename commit from
-the index write on, the staging before it being the same code), of a convert and of a reshard.
+the index write on, the staging before it being the same code), of the same save of a ``PeftModel``'s
+adapters (PEFT's adapter directory and its manifest file), of a convert and of a reshard.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 DRIVER = Path(__file__).with_name("crash_driver.py")
 SCENARIOS = {"train_save_exchange": {"old", "new"}, "train_save_portable": {"old", "new"},
-             "convert": {"absent", "new"}, "reshard": {"absent", "new"}}
+             "adapter_save_exchange": {"old", "new"}, "convert": {"absent", "new"}, "reshard": {"absent", "new"}}
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +56,15 @@ def test_the_portable_path_recovers_between_its_two_renames(report):
     assert "exchanged" in report["train_save_exchange"]["points"]
 
 
-def test_a_corrupted_byte_in_any_file_is_refused_naming_it(report):
-    outcomes = report["corrupted_byte"]
+@pytest.mark.parametrize("kind, files", [
+    ("corrupted_byte", {"model.safetensors.index.json", "config.json"}),
+    ("adapter_corrupted_byte", {"hybrid_ep_manifest.json", "adapter_model.safetensors", "adapter_config.json"}),
+])
+def test_a_corrupted_byte_in_any_file_is_refused_naming_it(report, kind, files):
+    outcomes = report[kind]
     names = {o["file"] for o in outcomes}
-    assert {"model.safetensors.index.json", "optimizer.safetensors", "optimizer.json", "trainer_state.json",
-            "config.json", "scheduler.pt"} <= names, names
+    assert files | {"optimizer.safetensors", "optimizer.json", "trainer_state.json", "scheduler.pt",
+                    "rng_state.pth", "training_args.bin"} <= names, names
     for o in outcomes:
         if o["file"] == "model.safetensors.index.json":
             assert o["outcome"].startswith("refused"), o

@@ -17,7 +17,7 @@ import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
 from hf_hybrid_ep.checkpoint.format import INDEX_NAME
 from hf_hybrid_ep.checkpoint.load import checkpoint_placement
-from hf_hybrid_ep.checkpoint.manifest import MANIFEST_KEY, _index_digest
+from hf_hybrid_ep.checkpoint.manifest import MANIFEST_KEY, content_digest
 from hf_hybrid_ep.cli import main as cli
 
 LAYER0, LAYER1 = "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"
@@ -113,7 +113,7 @@ def _as_format_version_1(directory):
     path = directory / INDEX_NAME
     body = json.loads(path.read_text())
     body["metadata"]["hybrid_ep"]["format_version"] = 1
-    body["metadata"][MANIFEST_KEY]["index_sha256"] = _index_digest(body)
+    body["metadata"][MANIFEST_KEY]["file_sha256"] = content_digest(body)
     path.write_text(json.dumps(body, indent=2) + "\n")
 
 

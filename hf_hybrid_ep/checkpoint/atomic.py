@@ -15,7 +15,8 @@ and then the directory are fsynced and the staged directory is put in place:
   the new one in place, or the old one back when the new one is incomplete.
 
 A reader therefore sees the previous checkpoint or the new one, never a mix and never nothing. What
-makes "complete" checkable is the manifest the index carries (:mod:`.manifest`).
+makes "complete" checkable is the manifest every save carries, in its weight index or, for a save without one
+(a Trainer checkpoint of a ``PeftModel``), in ``hybrid_ep_manifest.json`` (:mod:`.manifest`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .lease import Holder, Verdict, acquire, clear_if_gone, held, wait_advice
-from .manifest import INDEX_NAME, CheckpointVerifier, is_complete, write_manifest
+from .manifest import CheckpointVerifier, is_complete, write_manifest
 from .safetensors_io import write_point
 
 logger = logging.getLogger("hf_hybrid_ep")
@@ -273,9 +274,9 @@ def check_output_free(target: Path) -> None:
 
 @contextmanager
 def staged_save(target: Path, *, save_id: str | None = None, fresh: bool = False) -> Iterator[tuple[Path, str]]:
-    """Claim ``target``, yield ``(staging directory, save id)``; on a clean exit write the manifest
-    (when the staging directory holds an index) and :func:`commit`. On an exception the staging
-    directory is removed and ``target`` is untouched.
+    """Claim ``target``, yield ``(staging directory, save id)``; on a clean exit write the manifest (into the
+    staging directory's weight index, or ``hybrid_ep_manifest.json`` when it has none) and :func:`commit`. On an
+    exception the staging directory is removed and ``target`` is untouched.
 
     Args:
         fresh: ``target`` must not exist or be empty (convert, reshard, export), checked first.
@@ -288,8 +289,7 @@ def staged_save(target: Path, *, save_id: str | None = None, fresh: bool = False
     staging = claim(target, save_id)
     try:
         yield staging, save_id
-        if (staging / INDEX_NAME).is_file():
-            write_manifest(staging, save_id)
+        write_manifest(staging, save_id)
         commit(staging, target, save_id)
     finally:
         release(target, staging)

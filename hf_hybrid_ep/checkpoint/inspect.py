@@ -1,4 +1,5 @@
-"""Summaries of a checkpoint directory: layers, experts, ranks and bytes per file."""
+"""Summaries of a checkpoint directory: layers, experts, ranks and bytes per file; of a PEFT adapter directory,
+its adapter config and tensors."""
 
 from __future__ import annotations
 
@@ -8,24 +9,33 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .dequantize import quantization_config_of, quantization_of
-from .format import read_index
+from .format import INDEX_NAME, SINGLE_NAME, read_index
 from .manifest import read_manifest, verify_checksums
-from .safetensors_io import TensorFiles, nonfinite_count
+from .safetensors_io import TensorFiles, nonfinite_count, read_header
+
+ADAPTER_SUMMARY_FIELDS = ("peft_type", "r", "lora_alpha", "target_modules", "target_parameters")
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
     """Describe a (hybrid-EP or plain) safetensors checkpoint; with ``verify``, re-hash every file and read every
     floating-point tensor, listing those that hold NaN or inf (``nonfinite``: name → how many elements).
 
+    A PEFT adapter directory (a Trainer checkpoint of a ``PeftModel``) is summarised by its adapter config and
+    ``adapter_model.safetensors`` (:func:`inspect_adapter`).
+
     Raises:
         CheckpointError: for a checkpoint that fails its checks (naming the file or key).
     """
+    root = Path(path)
+    if (root / ADAPTER_CONFIG).is_file() and not any((root / n).is_file() for n in (INDEX_NAME, SINGLE_NAME)):
+        return inspect_adapter(root, verify=verify)
     index = read_index(path)
     manifest = read_manifest(index.root)
     nonfinite = None
     if verify:
-        verify_checksums(index)
+        verify_checksums(index.root)
         nonfinite = nonfinite_tensors(index.root, index.weight_map)
     files: dict[str, dict[str, Any]] = {}
     for name in index.weight_map.values():
@@ -60,6 +70,33 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) ->
     return summary
 
 
+def inspect_adapter(root: Path, *, verify: bool = False) -> dict[str, Any]:
+    """Describe a PEFT adapter directory: its adapter config (``adapter``: type, rank, alpha, targets), the tensors
+    of ``adapter_model.safetensors``, the manifest a hybrid-EP save wrote; with ``verify``, every file re-hashed
+    against it and every tensor read for NaN or inf (as :func:`inspect_checkpoint`).
+
+    Raises:
+        CheckpointError: naming the file that fails its checks.
+    """
+    manifest = read_manifest(root)
+    if verify:
+        verify_checksums(root)
+    weights = root / ADAPTER_WEIGHTS
+    specs, _ = read_header(weights)
+    try:
+        config = json.loads((root / ADAPTER_CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{str(root / ADAPTER_CONFIG)!r} is not a PEFT adapter config: {err}") from err
+    size = weights.stat().st_size
+    return {
+        "path": str(root), "hybrid_ep": False, "adapter": {k: config.get(k) for k in ADAPTER_SUMMARY_FIELDS},
+        "tensors": len(specs), "bytes": size, "files": {ADAPTER_WEIGHTS: {"tensors": len(specs), "bytes": size}},
+        "checksums": manifest is not None, "save_id": manifest["save_id"] if manifest else None, "quantization": None,
+        "nonfinite": nonfinite_tensors(root, dict.fromkeys(specs, ADAPTER_WEIGHTS)) if verify else None,
+        "verified": verify,
+    }
+
+
 def nonfinite_tensors(root: Path, weight_map: dict[str, str]) -> dict[str, int]:
     """Per tensor of the checkpoint that holds NaN or inf, how many of its elements do (one tensor in memory at a
     time; float8 and other narrow types are widened to check)."""
@@ -70,6 +107,11 @@ def nonfinite_tensors(root: Path, weight_map: dict[str, str]) -> dict[str, int]:
             if bad:
                 found[key] = bad
     return found
+
+
+def _names(value: Any) -> str:
+    """Target names as inspect prints them: a sorted list, or PEFT's regular expression as it is."""
+    return str(sorted(value)) if isinstance(value, list) else repr(value)
 
 
 def _quantization(root: Path) -> str | None:
@@ -110,8 +152,15 @@ def format_summary(summary: dict[str, Any]) -> str:
                              if row == list(range(row[0], row[-1] + 1)) else f"{indent}EP rank {rank}: experts {row}")
         if summary.get("dequantized_from"):
             lines.append(f"weights dequantized from {summary['dequantized_from']} to {summary['dtype']}")
-        if summary.get("verified"):
-            lines.append("checksums: all files verified")
+    elif summary.get("adapter"):
+        adapter = summary["adapter"]
+        lines.append(f"PEFT adapter ({adapter['peft_type']}): r={adapter['r']}, lora_alpha={adapter['lora_alpha']}, "
+                     f"target_modules {_names(adapter['target_modules'])}, "
+                     f"target_parameters {_names(adapter['target_parameters'])}")
+    else:
+        lines.append("plain checkpoint (no hybrid_ep metadata)")
+    if summary.get("verified"):
+        lines.append("checksums: all files verified")
     bad = summary.get("nonfinite")
     if bad:
         lines.append(f"NON-FINITE: {len(bad)} tensor(s) hold NaN or inf: "
@@ -119,8 +168,6 @@ def format_summary(summary: dict[str, Any]) -> str:
                      + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
     elif bad is not None:
         lines.append("every floating-point tensor is finite")
-    else:
-        lines.append("plain checkpoint (no hybrid_ep metadata)")
     if summary.get("quantization"):
         lines.append(f"quantized checkpoint: {summary['quantization']}")
     if summary.get("save_id"):

@@ -29,7 +29,7 @@ from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts
 from ..parallel.devices import rank_device
 from ..parallel.mesh import default_device_type
-from .adapters import adapter_directory, check_fresh_init, init_adapters_, load_adapter_
+from .adapters import adapter_directory, check_fresh_init, init_adapters_, load_adapter_, read_adapter_config
 from .atomic import open_checkpoint
 from .convert import hub_metadata
 from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
@@ -327,7 +327,7 @@ def _with_peft(model: nn.Module, peft_config, adapter, is_trainable: bool) -> tu
         raise HybridEPConfigError("pass peft_config or adapter, not both: an adapter directory carries its config")
     import copy
 
-    from peft import PeftConfig, get_peft_model
+    from peft import get_peft_model
 
     directory = None
     if getattr(peft_config, "modules_to_save", None):
@@ -335,7 +335,7 @@ def _with_peft(model: nn.Module, peft_config, adapter, is_trainable: bool) -> tu
                                   "a model in memory and parallelize it")
     if adapter is not None:
         directory = adapter_directory(adapter)
-        peft_config = PeftConfig.from_pretrained(directory)
+        peft_config = read_adapter_config(directory)
         peft_config.inference_mode = not is_trainable
     else:
         check_fresh_init(peft_config)

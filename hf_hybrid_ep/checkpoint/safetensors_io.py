@@ -101,6 +101,28 @@ def nonfinite_count(t: torch.Tensor) -> int:
     return int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
 
 
+def set_metadata(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> None:
+    """Replace the header metadata of safetensors file ``path`` (a file another library wrote), its tensors'
+    bytes copied unchanged, through a temporary name."""
+    import shutil
+
+    path = Path(path)
+    read_header(path)  # a complete, well-formed file
+    tmp = path.with_name(f".{path.name}.tmp")
+    with path.open("rb") as src:
+        (n,) = struct.unpack("<Q", src.read(8))
+        header = json.loads(src.read(n))
+        header["__metadata__"] = dict(metadata)
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        write_point(f"open {path.name}")
+        with tmp.open("wb") as dst:
+            dst.write(struct.pack("<Q", len(blob)) + blob)
+            shutil.copyfileobj(src, dst, 16 * 2**20)
+    write_point(f"close {path.name}")
+    tmp.replace(path)
+
+
 def sha256_file(path: str | os.PathLike[str], chunk: int = 16 * 2**20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -14,7 +14,8 @@ even from another host (:mod:`hf_hybrid_ep.checkpoint.lease`).
 
 ``--min-processes M`` allows a smaller world: an attempt that failed without writing a new checkpoint (a failure
 that repeats, such as a lost GPU) is followed by one at the largest number of processes below the current, and at
-least ``M``, for which the planner (:func:`hf_hybrid_ep.planning.planner.plan`, on the newest checkpoint's config)
+least ``M``, for which the planner (:func:`hf_hybrid_ep.planning.planner.plan`, on the newest checkpoint's config; of
+a checkpoint of LoRA adapters, on the base model its adapter config names, with the adapters' rank and targets)
 finds a layout that fits; the command gets that ``--num_processes`` and the planner's ``--dp_degree`` /
 ``--ep_degree``, and the checkpoint loads at that EP degree. The global batch shrinks with the world
 (per-device batch × accumulation × processes): rescale the learning rate or the accumulation if it matters.
@@ -175,16 +176,35 @@ def memory_per_process_gb(processes: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / processes
 
 
+def _plan_inputs(checkpoint: Path) -> tuple[str, dict]:
+    """What the planner reads for ``checkpoint``: the checkpoint itself, or, for a checkpoint of LoRA adapters, the
+    base model its saved adapter config names and the adapters' rank and targets."""
+    from ..checkpoint.adapters import saved_adapter_config
+
+    adapter = saved_adapter_config(checkpoint)
+    if adapter is None:
+        return str(checkpoint), {}
+
+    def names(value) -> list[str] | None:
+        return sorted(value) if isinstance(value, list | set | tuple) else None
+
+    return adapter.base_model_name_or_path or "", {
+        "lora_r": adapter.r, "lora_target_modules": names(adapter.target_modules),
+        "lora_target_parameters": names(getattr(adapter, "target_parameters", None))}
+
+
 def smaller_world(current: int, minimum: int, checkpoint: Path | None, memory_gb: float | None
                   ) -> tuple[int, tuple[int, int] | None] | None:
     """The largest world below ``current`` and at least ``minimum`` with a layout that fits, and the planner's
-    ``(dp, ep)`` for it (``None`` without a checkpoint to plan from: the engine's default layout)."""
+    ``(dp, ep)`` for it (``None`` without a checkpoint to plan from, or a checkpoint of adapters that names no base
+    model: the engine's default layout)."""
     from ..planning.planner import plan
 
+    model, lora = (None, {}) if checkpoint is None else _plan_inputs(Path(checkpoint))
     for world in range(current - 1, minimum - 1, -1):
-        if checkpoint is None:
+        if not model:
             return world, None
-        result = plan(str(checkpoint), world, memory_gb or memory_per_process_gb(world))
+        result = plan(model, world, memory_gb or memory_per_process_gb(world), **lora)
         recommended = result["recommended"]
         if recommended is not None:
             return world, (recommended["dp"], recommended["ep"])

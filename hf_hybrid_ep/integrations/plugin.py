@@ -11,7 +11,8 @@ precedence flags > environment > file. The file accepts::
       gradient_accumulation: 4      # -> TrainingArguments.gradient_accumulation_steps
       optimizer: {type: AdamW, lr: 6.0e-5, weight_decay: 0.01}   # -> optim, learning_rate, weight_decay
       resume_from_checkpoint: latest  # -> TrainingArguments.resume_from_checkpoint (latest: the newest complete one)
-      peft: {r: 16, lora_alpha: 32}   # LoRA (peft.LoraConfig fields); targets default to attention and experts
+      peft: {r: 16, lora_alpha: 32}   # LoRA (peft.LoraConfig fields); targets default to attention and experts;
+                                      # on a resume of adapters the saved config, which these must not contradict
 
 ``examples/hybrid_ep.yaml`` is a commented sample holding every key. ``collective_timeout_s`` defaults to
 ``TrainingArguments.ddp_timeout``.
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.adapters import ADAPTER_CONFIG, adapter_conflicts, saved_adapter_config
 from ..config import MIN_COLLECTIVE_TIMEOUT_S, HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
 from ..moe.lora import DEFAULT_LORA_TARGETS
@@ -85,15 +87,30 @@ class HybridEPPlugin:
         return cls(config, data.get("microbatch_size"), data.get("gradient_accumulation"), data.get("optimizer"),
                    None if resume is None else str(resume), data.get("peft"))
 
-    def lora_config(self, overrides: Mapping[str, Any] | None = None):
+    def lora_config(self, overrides: Mapping[str, Any] | None = None,
+                    checkpoint: str | os.PathLike[str] | None = None):
         """The ``peft.LoraConfig`` (causal LM) of the ``peft:`` section updated by ``overrides`` (``None`` values
         are "not given"), each target list :data:`DEFAULT_LORA_TARGETS`' unless given (an empty list: none);
-        ``None`` when neither sets anything.
+        ``None`` when neither sets anything. Resuming from ``checkpoint``, a checkpoint of adapters: the adapter
+        config saved there, whatever is given or not (the run continues the saved adapters).
 
         Raises:
-            HybridEPConfigError: naming a field ``peft.LoraConfig`` does not have.
+            HybridEPConfigError: naming a field ``peft.LoraConfig`` does not have, or a given value that contradicts
+                the saved config (both values, and where the given one came from).
         """
-        fields = {**(self.peft or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        section = {k: v for k, v in (self.peft or {}).items() if k not in given}
+        saved = None if checkpoint is None else saved_adapter_config(checkpoint)
+        if saved is not None:
+            conflicts = [f"{c} (command line)" for c in adapter_conflicts(saved, given)]
+            conflicts += [f"{c} (the peft: section)" for c in adapter_conflicts(saved, section)]
+            if conflicts:
+                raise HybridEPConfigError(
+                    f"resuming from {str(checkpoint)!r}, whose {ADAPTER_CONFIG} is the adapter config the run continues "
+                    f"with: {'; '.join(conflicts)}. Drop those settings (or give the saved values) to resume, or "
+                    "start a new run in another --output_dir")
+            return saved
+        fields = {**section, **given}
         if not fields:
             return None
         from peft import LoraConfig

@@ -10,7 +10,8 @@ class's own:
 * checkpoints: the model as an expert-sharded hybrid-EP checkpoint (vanilla-loadable) — of a ``PeftModel`` only
   its adapters, as PEFT's adapter directory (every expert's factors) — the optimizer state keyed by parameter
   name and global expert id, so ``resume_from_checkpoint`` works at the same or another EP degree; scheduler
-  and RNG state as the Trainer writes them;
+  and RNG state as the Trainer writes them; each staged whole and put in place with a manifest of every file
+  (:mod:`hf_hybrid_ep.checkpoint.atomic`), checked before a resume reads any of it;
 * with ``optimizer_sharding="zero1"`` the optimizer is built sharded (:func:`hf_hybrid_ep.parallel.zero.reshard_optimizer`):
   DDP still all-reduces the dense gradients, each rank steps its shard and the shards are all-gathered;
   the engine reduce-scatters expert gradients over their EDP groups. Checkpoints are interchangeable
@@ -44,10 +45,11 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_AR
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging as hf_logging
 
-from ..checkpoint.adapters import load_adapter_
+from ..checkpoint.adapters import ADAPTER_CONFIG, check_adapter_config, load_adapter_, tag_adapter_weights
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.lease import hold_output_dir
 from ..checkpoint.load import load_checkpoint_into_
+from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
 from ..checkpoint.side_state import load_side_state, save_side_state
 from ..engine.adapters import is_peft_model
@@ -62,7 +64,7 @@ from ..engine.routing_replay import ReplayStats
 from ..engine.state import state_of
 from ..engine.step import after_optimizer_step
 from ..engine.summary import log_startup_summary
-from ..errors import HybridEPConfigError
+from ..errors import CheckpointError, HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
 from ..moe.discovery import find_experts_modules
@@ -344,13 +346,16 @@ class _EngineMethods(Trainer):
         training_use_cache = getattr(config, "use_cache", None)
         if config is not None and self._inference_use_cache is not None:
             config.use_cache = self._inference_use_cache
+        save_id = self._staging[1] if self._staging is not None and Path(output_dir) == self._staging[0] else None
         try:
             if is_peft_model(self.hybrid_model):  # the adapters only, as PEFT writes them (collective)
                 self.hybrid_model.save_pretrained(output_dir)
                 if self.args.should_save:
-                    save_side_state(self.hybrid_model, output_dir)
-            elif self._staging is not None and Path(output_dir) == self._staging[0]:
-                write_model_files(self.hybrid_model, Path(output_dir), self._staging[1])
+                    if save_id is not None:
+                        tag_adapter_weights(output_dir, save_id)
+                    save_side_state(self.hybrid_model, output_dir, save_id)
+            elif save_id is not None:
+                write_model_files(self.hybrid_model, Path(output_dir), save_id)
             else:
                 save_hybrid_checkpoint(self.hybrid_model, output_dir)
         finally:
@@ -369,18 +374,29 @@ class _EngineMethods(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Resume: every file of the checkpoint is checked against its manifest before use (the
-        Trainer's own files and the optimizer state included; sha256 unless ``verify_checksums=False``)."""
+        Trainer's own files and the optimizer state included; sha256 unless ``verify_checksums=False``); of a
+        ``PeftModel``, the saved adapter config must be the model's."""
         model = self.hybrid_model if model is None else self.accelerator.unwrap_model(model)
         verify = state_of(model).config.verify_checksums
         checker = open_checkpoint(resume_from_checkpoint, verify=verify)
-        for name in sorted((checker.manifest or {}).get("files", {})):
+        if checker.manifest is None:
+            raise CheckpointError(
+                f"{resume_from_checkpoint!r} has no manifest (model.safetensors.index.json or {MANIFEST_NAME}), so "
+                "its files cannot be checked: it is not a checkpoint a hybrid-EP Trainer save completed")
+        peft = is_peft_model(model)
+        if not peft and ADAPTER_CONFIG in checker.manifest["files"]:
+            raise HybridEPConfigError(f"{resume_from_checkpoint!r} is a checkpoint of PEFT adapters; the model is not "
+                                      "a PeftModel: build it with the saved adapter config (PeftConfig.from_pretrained)")
+        if peft:  # an adapter checkpoint: every file is read whole by every rank
+            checker.check_all()
+            check_adapter_config(model, resume_from_checkpoint, verifier=checker)
+            load_adapter_(model, state_of(model).layers, resume_from_checkpoint, verifier=checker)
+            load_side_state(model, resume_from_checkpoint, checker)
+            return
+        for name in sorted(checker.manifest["files"]):
             if not name.startswith("model"):  # weight files: checked by the loader, this rank's only
                 checker.check(name)
-        if is_peft_model(model):  # an adapter checkpoint: the adapters (this rank's experts') and the side state
-            load_adapter_(model, state_of(model).layers, resume_from_checkpoint)
-            load_side_state(model, resume_from_checkpoint, checker)
-        else:
-            load_checkpoint_into_(resume_from_checkpoint, model, verify=verify)
+        load_checkpoint_into_(resume_from_checkpoint, model, verify=verify)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -160,7 +160,7 @@ def fsdp_under_accelerate() -> dict:
 
 def train_script(argv: list[str]) -> dict:
     """``scripts/train.py``'s ``main`` on this rank of the pool (whose process group it leaves alone): the logged
-    losses and the rank's exit (``error``: a refusal's message)."""
+    losses and the rank's exit (``error``: a refusal's message, the script's exit status 2)."""
     import importlib.util
     import json
     import sys
@@ -177,7 +177,7 @@ def train_script(argv: list[str]) -> dict:
     spec.loader.exec_module(module)
     try:
         module.main(argv)
-    except hep.HybridEPConfigError as err:
+    except (hep.HybridEPConfigError, hep.CheckpointError) as err:
         return {"error": str(err)}
     out = Path(argv[argv.index("--output_dir") + 1])
     last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))

@@ -8,6 +8,7 @@ criterion to every adapter gradient and parameter; the other cases save, load, m
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import parity
 import torch
@@ -30,8 +31,8 @@ def lora_config(family: str, r: int = 4, **kwargs):
     from peft import LoraConfig
 
     kwargs = {"target_modules": DENSE_TARGETS.get(family, ["q_proj", "v_proj"]), "target_parameters": EXPERT_TARGETS,
-              **kwargs}
-    return LoraConfig(r=r, lora_alpha=2 * r, task_type="CAUSAL_LM", **kwargs)
+              "lora_alpha": 2 * r, **kwargs}
+    return LoraConfig(r=r, task_type="CAUSAL_LM", **kwargs)
 
 
 def lora_pair(family: str, num_experts: int, r: int = 4, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -224,19 +225,23 @@ def lora_from_pretrained(family: str, dp: int, ep: int, num_experts: int, root: 
 
 
 def trainer_lora_run(dp: int, ep: int, output_dir: str, max_steps: int = 6, save_steps: int | None = None,
-                     resume_from: str | None = None) -> dict:
-    """The stock Trainer on a parallelized PeftModel (trainer_cases' model, LoRA on attention and experts)."""
+                     resume_from: str | None = None, **lora: Any) -> dict:
+    """The stock Trainer on a parallelized PeftModel (trainer_cases' model, LoRA on attention and experts; ``lora``:
+    other LoraConfig fields). A refusal (``error``) is returned, not raised."""
     import trainer_cases as tc
     from peft import get_peft_model
     from transformers import Trainer
 
     from hf_hybrid_ep.integrations import HybridEP
 
-    model = hep.parallelize(get_peft_model(tc.model(), lora_config(tc.MODEL_TYPE)),
+    model = hep.parallelize(get_peft_model(tc.model(), lora_config(tc.MODEL_TYPE, **lora)),
                             hep.HybridEPConfig(dp_degree=dp, ep_degree=ep))
     trainer = HybridEP(Trainer)(model=model, args=tc.arguments(output_dir, 2, max_steps, save_steps),
                               train_dataset=tc.dataset())
-    trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except (hep.HybridEPConfigError, hep.CheckpointError) as err:
+        return {"error": str(err), "steps": trainer.state.global_step}
     state = {n.split("::")[0] for n in _optimizer_keys(output_dir, save_steps)} if save_steps else set()
     return {"losses": tc.losses(trainer), "optimizer_names": sorted(state)}
 
