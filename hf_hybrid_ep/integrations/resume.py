@@ -3,8 +3,8 @@ it so that every step is recorded once.
 
 ``resume_from_checkpoint="latest"`` (or ``True``, as in transformers) names the newest ``checkpoint-N`` of the
 output directory whose manifest lists every file it holds with its size (an interrupted save is completed or rolled
-back first, :func:`hf_hybrid_ep.checkpoint.atomic.recover`); with none the run starts fresh. A restarted job
-(:mod:`hf_hybrid_ep.integrations.launch`) can therefore always pass it, before its first checkpoint exists.
+back first, :func:`hf_hybrid_ep.checkpoint.atomic.recover`); with none the run starts fresh. A job that torchrun
+restarts (:mod:`hf_hybrid_ep.integrations.launch`) can therefore always pass it, before its first checkpoint exists.
 """
 
 from __future__ import annotations
