@@ -102,11 +102,20 @@ def _corpus(tmp_path: Path) -> Path:
     return path
 
 
+def _children(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _two_nodes(tmp_path: Path, restarts: int, *command: str) -> list[subprocess.Popen]:
     """``hf-hybrid-ep launch`` on two "nodes" of this host: two torchrun agents, ``--nnodes 2 --node_rank 0/1``,
     meeting at one rendezvous endpoint, each with 2 workers."""
     endpoint = f"127.0.0.1:{_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "LOGLEVEL": "INFO"}  # the agents' restarts
     env.pop("ACCELERATE_USE_CPU", None)
     return [subprocess.Popen([str(BIN / "hf-hybrid-ep"), "launch", "--max-restarts", str(restarts), "--",
                               str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
@@ -127,11 +136,15 @@ def test_a_killed_rank_of_two_nodes_is_restarted_by_torchrun_on_both(pools, tmp_
     reference = pools(4).run(cases.train_script, _train_args(tmp_path / "reference", text))[0]["losses"]
     fronts = _two_nodes(tmp_path, 1, str(ROOT / "scripts" / "train.py"), *_train_args(out, text))
     logs: list[list[str]] = [[], []]
-    for front, lines in zip(fronts, logs, strict=True):
-        threading.Thread(target=lambda f=front, x=lines: x.extend(f.stdout), daemon=True).start()
-    killed = False
+    readers = [threading.Thread(target=lambda f=front, x=lines: x.extend(f.stdout), daemon=True)
+               for front, lines in zip(fronts, logs, strict=True)]
+    for reader in readers:
+        reader.start()
+    killed, agents = False, [set(), set()]
     try:
         while any(f.poll() is None for f in fronts):
+            for front, pids in zip(fronts, agents, strict=True):
+                pids.update(c.pid for c in _children(front.pid))
             if not killed and (out / "checkpoint-10").is_dir():
                 ranks = [c for f in fronts if f.poll() is None for c in psutil.Process(f.pid).children(recursive=True)
                          if c.environ().get("RANK") == "2" and "train.py" in " ".join(c.cmdline())]
@@ -143,11 +156,18 @@ def test_a_killed_rank_of_two_nodes_is_restarted_by_torchrun_on_both(pools, tmp_
         for front in fronts:
             if front.poll() is None:
                 front.kill()
-    time.sleep(1)  # the readers' last lines
+    for reader in readers:
+        reader.join(timeout=30)
     log = "".join(logs[0] + logs[1])
     assert killed and [f.returncode for f in fronts] == [0, 0], log[-6000:]
-    assert log.count("hf-hybrid-ep launch: running") == 2, log[-6000:]  # one launch per node, restarted inside
-    assert "--rdzv-backend c10d" in log and "failed (exitcode: -9)" in log, log[-6000:]
+    # one launch and one agent per node for the whole job; each agent restarted its workers (the failed rank's for
+    # the failure, the other's for the new rendezvous round)
+    assert [len(pids) for pids in agents] == [1, 1], agents
+    for lines in logs:
+        node = "".join(lines)
+        assert node.count("hf-hybrid-ep launch: running") == 1 and "--rdzv-backend c10d" in node, node[-6000:]
+        assert node.count("will restart worker group") == 1, node[-6000:]
+    assert "failed (exitcode: -9)" in log, log[-6000:]
     assert "resume_from_checkpoint=latest: no complete checkpoint in" in log  # the first round: a fresh start
     resumed = next(line for line in log.splitlines() if "resume_from_checkpoint=latest: resuming from" in line)
     step = int(resumed.rsplit("checkpoint-", 1)[1])

@@ -151,12 +151,14 @@ def test_the_front_builds_accelerates_restart_command(tmp_path):
     job = Job.of(f"accelerate launch --config_file {config} train.py".split())
     assert (job.nodes, job.processes) == (2, 16)
     assert _built(f"accelerate launch --config_file {config} train.py")[1] == STORE  # several machines: no standalone
-    refused = {"accelerate launch --num_processes 15 --num_machines 2 --main_process_ip h --main_process_port 1 "
-               "train.py": r"starts 15 // 2 = 7 on each \(14 ranks\)",
-               "accelerate launch --num_processes 16 --num_machines 2 --main_process_port 1 train.py":
+    refused = {"accelerate launch --multi_gpu --num_processes 15 --num_machines 2 --main_process_ip h "
+               "--main_process_port 1 train.py": r"starts 15 // 2 = 7 on each \(14 ranks\)",
+               "accelerate launch --multi_gpu --num_processes 16 --num_machines 2 --main_process_port 1 train.py":
                "needs --main_process_ip",
-               "accelerate launch --num_processes 16 --num_machines 2 --same_network --main_process_ip h "
-               "--main_process_port 1 train.py": "--same_network rendezvouses statically"}
+               "accelerate launch --multi_gpu --num_processes 16 --num_machines 2 --same_network --main_process_ip h "
+               "--main_process_port 1 train.py": "--same_network rendezvouses statically",
+               "accelerate launch --num_processes 2 train.py": "without --multi_gpu does not run torchrun's elastic",
+               "accelerate launch --multi_gpu --use_deepspeed train.py": "--use_deepspeed does not run torchrun's"}
     for command, message in refused.items():
         with pytest.raises(HybridEPConfigError, match=message):
             _built(command)
@@ -186,8 +188,8 @@ def test_the_front_shrinks_to_the_planners_layout_on_one_node(capsys):
         "--nnodes", "2", "--nproc_per_node", "7")
     # but the nodes' launchers cannot agree on a smaller world: refused, naming what to do instead
     for command in ("torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint h:1 train.py",
-                    "accelerate launch --num_processes 16 --num_machines 2 --main_process_ip h --main_process_port 1 "
-                    "train.py"):
+                    "accelerate launch --multi_gpu --num_processes 16 --num_machines 2 --main_process_ip h "
+                    "--main_process_port 1 train.py"):
         with pytest.raises(HybridEPConfigError, match="works on one node; the command runs on 2.*requeue the job"):
             supervise(command.split(), 1, min_processes=8)
     with pytest.raises(HybridEPConfigError, match="needs the command to give --nproc_per_node"):

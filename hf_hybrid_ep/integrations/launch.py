@@ -61,6 +61,9 @@ ACCELERATE = {
 ACCELERATE_CONFIG_KEYS = {"nodes": "num_machines", "total": "num_processes", "addr": "main_process_ip",
                           "port": "main_process_port"}
 RESTARTABLE_BACKENDS = ("static", "c10d")  # static is replaced by c10d; another backend is refused
+ACCELERATE_AGENT = ("--multi_gpu", "--use_fsdp")  # what makes accelerate launch run torchrun's agent
+ACCELERATE_AGENT_TYPES = ("MULTI_GPU", "FSDP")  # the same, as the config file's distributed_type
+ACCELERATE_OTHER = ("--cpu", "--use_deepspeed", "--tpu")  # launchers of its own instead of torchrun's agent
 
 
 def _value(args: list[str], flags: tuple[str, ...]) -> str | None:
@@ -147,7 +150,7 @@ class Job:
         config = tuple(_accelerate_config(flags).items()) if tool == "accelerate" else ()
         return cls(tool, tuple(command[:head]), tuple(flags), command[at], tuple(command[at + 1 :]), config)
 
-    def _get(self, key: str) -> str | None:
+    def setting(self, key: str) -> str | None:
         """A launcher setting: from the command line, else (Accelerate) from its config file."""
         names = (TORCHRUN if self.tool == "torchrun" else ACCELERATE)[key]
         value = _value(list(self.flags), names)
@@ -158,16 +161,16 @@ class Job:
 
     @property
     def nodes(self) -> int:
-        value = self._get("nodes")
+        value = self.setting("nodes")
         return 1 if value is None else _count(value, "--nnodes" if self.tool == "torchrun" else "--num_machines")
 
     @property
     def processes(self) -> int | None:
         """The total number of processes over all nodes (``None``: not given, or torchrun's ``gpu``/``auto``)."""
         if self.tool == "accelerate":
-            value = self._get("total")
+            value = self.setting("total")
             return None if value is None else _count(value, "--num_processes")
-        value = self._get("per_node")
+        value = self.setting("per_node")
         return None if value is None or not value.isdigit() else _count(value, "--nproc_per_node") * self.nodes
 
     @property
@@ -182,10 +185,17 @@ class Job:
                 f"accelerate launch --num_processes {total} --num_machines {nodes}: --num_processes is the "
                 f"total over all machines and Accelerate starts {total} // {nodes} = {total // nodes} on each "
                 f"({total // nodes * nodes} ranks); give a multiple of --num_machines")
-        backend = self._get("backend")
+        backend = self.setting("backend")
         if backend is not None and backend not in RESTARTABLE_BACKENDS:
             raise HybridEPConfigError(f"--rdzv-backend {backend}: restarts here use the c10d rendezvous "
                                       "(leave the flag out, or give c10d)")
+        if self.tool == "accelerate":
+            other = [flag for flag in ACCELERATE_OTHER if flag in self.flags]
+            if other or not (set(ACCELERATE_AGENT) & set(self.flags)
+                             or dict(self.config).get("distributed_type") in ACCELERATE_AGENT_TYPES):
+                raise HybridEPConfigError(
+                    f"accelerate launch {' '.join(other) or 'without --multi_gpu'} does not run torchrun's elastic "
+                    "agent, so nothing would restart: give --multi_gpu (on the CPU too, with ACCELERATE_USE_CPU=1)")
 
     def with_processes(self, total: int) -> Job:
         """This job at ``total`` processes over its nodes (torchrun: ``total / nodes`` per node)."""
@@ -240,7 +250,7 @@ def _accelerate_rendezvous(job: Job) -> tuple[list[str], dict[str, str]]:
     env = {}
     if job.nodes > 1:
         missing = [flag for key, flag in (("addr", "--main_process_ip"), ("port", "--main_process_port"))
-                   if job._get(key) is None]
+                   if job.setting(key) is None]
         if missing:
             raise HybridEPConfigError(f"accelerate launch --num_machines {job.nodes} needs "
                                       f"{' and '.join(missing)}: the rendezvous endpoint, the same on every machine")

@@ -10,7 +10,8 @@ SIGINT, SIGHUP) it passes the signal to the agent, which ends its workers (SIGTE
 ``--shutdown-timeout``, 30 s) and then itself; an agent that has not ended :data:`AGENT_GRACE_S` later is killed.
 When the agent has ended, any of its workers still alive are ended (SIGTERM, SIGKILL after :data:`GRACE_S`):
 torchrun starts every worker in a session of its own, so a killed agent leaves them running, out of reach of its
-process group.
+process group. They are found by the environment variable :data:`LAUNCH_MARK` that the launch gives the agent
+and every process it starts inherits.
 
 ``--min-processes M`` (one node): when the agent gives up and the launch wrote no new checkpoint (the failure
 repeats: a GPU is gone), the job is launched again at the largest number of processes below the current, and at
@@ -30,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from ..errors import HybridEPConfigError
@@ -38,7 +40,7 @@ from .resume import latest_checkpoint
 
 GRACE_S = 10.0  # a leftover worker gets this long after SIGTERM before SIGKILL
 AGENT_GRACE_S = 45.0  # the agent's time to end its workers (torchrun waits 30 s before SIGKILL) and itself
-SNAPSHOT_S = 0.5  # how often the agent's processes are listed while it runs
+LAUNCH_MARK = "HF_HYBRID_EP_LAUNCH"  # an environment variable naming the launch its processes belong to
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -58,35 +60,34 @@ def _stop(signum: int, frame) -> None:
     raise Stopped(signum)
 
 
-def _started(pid: int) -> tuple[int, int, str] | None:
-    """``(parent pid, start time in clock ticks, state)`` of process ``pid`` from ``/proc``, ``None`` when gone."""
+def _started(pid: int) -> tuple[int, str] | None:
+    """``(start time in clock ticks, state)`` of process ``pid`` from ``/proc``, ``None`` when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(fields[1]), int(fields[19]), fields[0]
+    return int(fields[19]), fields[0]
 
 
-def descendants(root: int) -> dict[int, int]:
-    """Every live descendant of process ``root``, ``{pid: start time}`` (empty without ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    started: dict[int, int] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit() and (info := _started(int(entry))) is not None and info[2] != "Z":
-            children.setdefault(info[0], []).append(int(entry))
-            started[int(entry)] = info[1]
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found[child] = started[child]
-            todo.append(child)
+def marked(mark: str) -> dict[int, int]:
+    """The live processes whose environment holds ``LAUNCH_MARK=mark`` (a launch's agent and everything it
+    started), ``{pid: start time}``; empty without ``/proc``."""
+    entry = f"{LAUNCH_MARK}={mark}".encode()
+    found = {}
+    for pid in (int(e) for e in (os.listdir("/proc") if os.path.isdir("/proc") else ()) if e.isdigit()):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if entry in environ.split(b"\0") and (info := _started(pid)) is not None and info[1] != "Z":
+            found[pid] = info[0]
     return found
 
 
 def _alive(processes: dict[int, int]) -> dict[int, int]:
     """The ones of ``processes`` (``{pid: start time}``) still running: same PID, same start time, not a zombie."""
-    return {pid: t for pid, t in processes.items() if (info := _started(pid)) is not None and info[1] == t
-            and info[2] != "Z"}
+    return {pid: t for pid, t in processes.items() if (info := _started(pid)) is not None and info[0] == t
+            and info[1] != "Z"}
 
 
 def end_processes(processes: dict[int, int], grace_s: float = GRACE_S) -> list[int]:
@@ -94,7 +95,7 @@ def end_processes(processes: dict[int, int], grace_s: float = GRACE_S) -> list[i
     ``grace_s``. The PIDs that were still running."""
     left = _alive(processes)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        for pid in left:
+        for pid in _alive(left):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -102,27 +103,19 @@ def end_processes(processes: dict[int, int], grace_s: float = GRACE_S) -> list[i
         deadline = time.monotonic() + wait
         while _alive(left) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if not _alive(left):
-            break
     return sorted(left)
 
 
 def run_launch(argv: list[str], env: dict[str, str]) -> int:
     """Run ``argv`` (the agent) with ``env`` added, in a session of its own; when it ends or the launcher is
     stopped, end whatever of it is left (see the module docstring). Its exit status (a signal's number negated)."""
-    agent = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
-    seen: dict[int, int] = {}
+    mark = uuid.uuid4().hex  # inherited by every process of the launch, whatever session it starts
+    agent = subprocess.Popen(argv, env={**os.environ, **env, LAUNCH_MARK: mark}, start_new_session=True)
     try:
-        while True:
-            seen.update(descendants(agent.pid))
-            try:
-                return agent.wait(timeout=SNAPSHOT_S)
-            except subprocess.TimeoutExpired:
-                continue
+        return agent.wait()
     except (Stopped, KeyboardInterrupt) as err:
-        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
         if agent.poll() is None:
-            agent.send_signal(signum)
+            agent.send_signal(err.signum if isinstance(err, Stopped) else signal.SIGINT)
         try:
             agent.wait(timeout=AGENT_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -130,7 +123,7 @@ def run_launch(argv: list[str], env: dict[str, str]) -> int:
             agent.wait()
         raise
     finally:
-        left = end_processes(seen)
+        left = end_processes(marked(mark))
         if left:
             _say(f"ended {len(left)} process(es) the launch left running (PIDs {left})")
 
