@@ -139,18 +139,23 @@ def _add_report_commands(sub) -> None:
 
 
 def _add_launch_command(sub) -> None:
-    from .integrations.launch import __doc__ as launch_doc
+    from .integrations.launch import __doc__ as command_doc
+    from .integrations.supervise import __doc__ as launch_doc
 
-    p = sub.add_parser("launch", help="run a training job and restart it whole after a failure (resuming from its "
-                       "newest complete checkpoint), optionally at a smaller world",
-                       description=launch_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts after a failure (default 3)")
-    p.add_argument("--min-processes", type=int, default=None, help="allow a restart at fewer processes, down to "
-                   "this many, after an attempt that wrote no new checkpoint (the planner picks the layout)")
+    p = sub.add_parser("launch", help="run a torchrun / accelerate launch job with torchrun's restarts on every node "
+                       "(c10d rendezvous), resuming from its newest complete checkpoint",
+                       description=f"{launch_doc}\n{command_doc}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the whole job by torchrun's elastic "
+                   "agent after a failure (default 3)")
+    p.add_argument("--min-processes", type=int, default=None, help="one node: after the restarts are spent without "
+                   "a new checkpoint, launch again at fewer processes, down to this many (the planner picks the "
+                   "layout)")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU for the planner (default: "
                    "the first GPU's, or the host's memory divided by the processes)")
-    p.add_argument("job", nargs=argparse.REMAINDER, help="-- then the launch command (accelerate launch ..., "
-                   "torchrun ...)")
+    p.add_argument("--dry-run", action="store_true", help="print the command it would run (with its environment "
+                   "variables) and start nothing")
+    p.add_argument("job", nargs=argparse.REMAINDER, help="-- then the launch command (torchrun ..., accelerate "
+                   "launch ...)")
 
 
 def _read_placement(path: str | None) -> list[list[int]] | dict[str, list[list[int]]] | None:
@@ -322,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {path}")
             print(written[-1].read_text(), end="")  # the summary
         elif args.command == "launch":
-            from .integrations.launch import supervise
+            from .integrations.supervise import supervise
 
             return supervise(args.job[1:] if args.job[:1] == ["--"] else args.job, args.max_restarts,
-                             args.min_processes, args.gpu_memory_gib)
+                             args.min_processes, args.gpu_memory_gib, dry_run=args.dry_run)
         elif args.command == "inspect":
             summary = inspect_checkpoint(args.ckpt, verify=args.verify)
             print(json.dumps(summary, indent=2) if args.json else format_summary(summary))

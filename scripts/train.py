@@ -12,7 +12,7 @@ documentation topics that ship with every Python (``pydoc_data.topics``) as the 
 ``DEMO_ARGS``; it writes ``runs/demo/``. With any argument ``DEMO_ARGS`` do not apply (each flag not given takes
 its ordinary default), while the model, tokenizer and corpus still default to the demo's. After a failure,
 ``--resume_from_checkpoint latest`` resumes from the newest complete checkpoint of ``--output_dir`` (a fresh start
-without one); ``hf-hybrid-ep launch`` reruns the whole command. A run holds a lease on ``--output_dir`` from the
+without one); ``hf-hybrid-ep launch -- torchrun ...`` has torchrun restart it with that flag. A run holds a lease on ``--output_dir`` from the
 start: a second run on the same directory is refused while the first runs. A resume of LoRA adapters continues
 with the adapter config saved in the checkpoint: ``--lora_*`` flags or a ``peft:`` section that contradict it are
 refused, naming both values. Thin by design: argument parsing, data preparation,

@@ -221,7 +221,7 @@ def test_a_trainer_refuses_to_resume_adapters_of_another_config(pools, tmp_path)
 def test_the_launcher_plans_a_smaller_world_from_an_adapter_checkpoint(lora_run):
     """``hf-hybrid-ep launch --min-processes`` plans from the newest checkpoint: of adapters, from the base model the
     saved adapter config names, with the adapters' rank and targets."""
-    from hf_hybrid_ep.integrations.launch import smaller_world
+    from hf_hybrid_ep.integrations.supervise import smaller_world
 
     world, layout = smaller_world(4, 2, lora_run["dir"] / "checkpoint-4", 8.0)
     assert world == 3 and layout == (3, 1), (world, layout)  # 8 experts: ep 1 is the only layout of 3

@@ -1,9 +1,10 @@
 """Fault drills with real processes and real signals: a stopped rank is named and every other rank exits; a killed
-rank is recovered from by the launcher, the resumed run equal to an uninterrupted one; the launcher's restarts.
+rank of two nodes is restarted by torchrun's elastic agent on both, the resumed run equal to an uninterrupted one;
+the launcher ends what a dead agent leaves and launches again at a smaller world on one node.
 
 The hang drill starts 4 ranks bare (as srun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT; rank 0 hosts the c10d store)
-running ``tests/fault_worker.py``; the recovery drill runs ``hf-hybrid-ep launch -- torchrun ... scripts/train.py``
-on the CPU (so it also shows that a plain torchrun of the script trains data-parallel).
+running ``tests/fault_worker.py``; the recovery drill runs ``hf-hybrid-ep launch -- torchrun --nnodes 2 ...
+scripts/train.py`` twice on this host, as two nodes meeting at one rendezvous endpoint, on the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 import dist_cases as cases
 import pytest
 
-from hf_hybrid_ep.integrations.launch import Job, smaller_world, supervise
 from hf_hybrid_ep.parallel.watchdog import EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,41 +102,73 @@ def _corpus(tmp_path: Path) -> Path:
     return path
 
 
+def _children(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _two_nodes(tmp_path: Path, restarts: int, *command: str) -> list[subprocess.Popen]:
+    """``hf-hybrid-ep launch`` on two "nodes" of this host: two torchrun agents, ``--nnodes 2 --node_rank 0/1``,
+    meeting at one rendezvous endpoint, each with 2 workers."""
+    endpoint = f"127.0.0.1:{_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "LOGLEVEL": "INFO"}  # the agents' restarts
+    env.pop("ACCELERATE_USE_CPU", None)
+    return [subprocess.Popen([str(BIN / "hf-hybrid-ep"), "launch", "--max-restarts", str(restarts), "--",
+                              str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
+                              "2", "--rdzv-endpoint", endpoint, *command], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path) for node in (0, 1)]
+
+
 @pytest.mark.slow
-def test_a_killed_rank_is_recovered_by_the_launcher(pools, tmp_path):
-    """``kill -9`` of rank 2 of 4 once checkpoint-10 exists: torchrun ends the job, ``hf-hybrid-ep launch`` runs it
-    again, it resumes from the newest complete checkpoint and finishes by itself; every logged loss equals an
-    uninterrupted run's (the data order resumed) and expert_load.jsonl holds each step once."""
+@pytest.mark.timeout(900)
+def test_a_killed_rank_of_two_nodes_is_restarted_by_torchrun_on_both(pools, tmp_path):
+    """``kill -9`` of rank 2 of 4 (2 nodes × 2) once checkpoint-10 exists: the agent of its node ends its workers
+    and opens a new rendezvous round, the other node's agent joins it, both start their workers again (one restart
+    of ``--max-restarts 1``), which resume from the newest complete checkpoint and finish; every logged loss equals
+    an uninterrupted run's (the data order resumed) and expert_load.jsonl holds each step once."""
     import psutil
 
     text, out = _corpus(tmp_path), tmp_path / "run"
     reference = pools(4).run(cases.train_script, _train_args(tmp_path / "reference", text))[0]["losses"]
-    command = [str(BIN / "hf-hybrid-ep"), "launch", "--max-restarts", "1", "--", str(BIN / "torchrun"),
-               "--nproc_per_node", "4", str(ROOT / "scripts" / "train.py"),
-               *_train_args(out, text, "--resume_from_checkpoint", "latest")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("ACCELERATE_USE_CPU", None)
-    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True).start()
-    killed = False
+    fronts = _two_nodes(tmp_path, 1, str(ROOT / "scripts" / "train.py"), *_train_args(out, text))
+    logs: list[list[str]] = [[], []]
+    readers = [threading.Thread(target=lambda f=front, x=lines: x.extend(f.stdout), daemon=True)
+               for front, lines in zip(fronts, logs, strict=True)]
+    for reader in readers:
+        reader.start()
+    killed, agents = False, [set(), set()]
     try:
-        while job.poll() is None:
+        while any(f.poll() is None for f in fronts):
+            for front, pids in zip(fronts, agents, strict=True):
+                pids.update(c.pid for c in _children(front.pid))
             if not killed and (out / "checkpoint-10").is_dir():
-                ranks = [c for c in psutil.Process(job.pid).children(recursive=True)
-                         if c.environ().get("LOCAL_RANK") == "2" and "train.py" in " ".join(c.cmdline())]
+                ranks = [c for f in fronts if f.poll() is None for c in psutil.Process(f.pid).children(recursive=True)
+                         if c.environ().get("RANK") == "2" and "train.py" in " ".join(c.cmdline())]
                 if ranks:
                     os.kill(ranks[0].pid, signal.SIGKILL)
                     killed = not (out / "checkpoint-40").exists()
             time.sleep(0.05)
-        job.wait(timeout=300)
     finally:
-        if job.poll() is None:
-            job.kill()
-    log = "".join(lines)
-    assert killed and job.returncode == 0, log[-4000:]
-    assert "attempt 1 failed with exit status" in log and "restarting the whole job" in log, log[-4000:]
-    assert "resume_from_checkpoint=latest: no complete checkpoint in" in log  # the first attempt: a fresh start
+        for front in fronts:
+            if front.poll() is None:
+                front.kill()
+    for reader in readers:
+        reader.join(timeout=30)
+    log = "".join(logs[0] + logs[1])
+    assert killed and [f.returncode for f in fronts] == [0, 0], log[-6000:]
+    # one launch and one agent per node for the whole job; each agent restarted its workers (the failed rank's for
+    # the failure, the other's for the new rendezvous round)
+    assert [len(pids) for pids in agents] == [1, 1], agents
+    for lines in logs:
+        node = "".join(lines)
+        assert node.count("hf-hybrid-ep launch: running") == 1 and "--rdzv-backend c10d" in node, node[-6000:]
+        assert node.count("will restart worker group") == 1, node[-6000:]
+    assert "failed (exitcode: -9)" in log, log[-6000:]
+    assert "resume_from_checkpoint=latest: no complete checkpoint in" in log  # the first round: a fresh start
     resumed = next(line for line in log.splitlines() if "resume_from_checkpoint=latest: resuming from" in line)
     step = int(resumed.rsplit("checkpoint-", 1)[1])
     assert step >= 10, resumed
@@ -151,50 +183,70 @@ def test_a_killed_rank_is_recovered_by_the_launcher(pools, tmp_path):
 
 def _script(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "job.py"
-    path.write_text("import os, subprocess, sys, time\nfrom pathlib import Path\n" + body)
+    path.write_text("import os, sys, time\nfrom pathlib import Path\n" + body)
     return path
 
 
-def test_the_launcher_restarts_the_whole_job_and_ends_its_leftovers(tmp_path, capsys):
-    """A job that fails once (leaving a child that would run for a minute) and succeeds the second time: one restart,
-    the child of the failed attempt ended; a job that always fails: the restarts run out, its status is returned."""
-    marker, child = tmp_path / "attempted", tmp_path / "child.pid"
-    job = _script(tmp_path, f"""
-if not Path({str(marker)!r}).exists():
-    Path({str(marker)!r}).write_text("1")
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    Path({str(child)!r}).write_text(str(sleeper.pid))
-    sys.exit(3)
-""")
-    start = time.monotonic()
-    assert supervise([sys.executable, str(job), "--resume_from_checkpoint", "latest"], 2) == 0
-    assert time.monotonic() - start < 20
-    pid = int(child.read_text())
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)  # ended with the attempt (SIGTERM to its process group)
-    err = capsys.readouterr().err
-    assert "attempt 1 failed with exit status 3; restarting the whole job (1 of 2 restarts)" in err, err
-    failing = _script(tmp_path, "sys.exit(5)\n")
-    assert supervise([sys.executable, str(failing)], 1) == 5
-    err = capsys.readouterr().err
-    assert "passes no --resume_from_checkpoint" in err and "no restart left (--max-restarts 1)" in err, err
+def _front(tmp_path: Path, *argv: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([str(BIN / "hf-hybrid-ep"), "launch", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
 
 
-def test_the_launcher_rewrites_a_command_for_a_smaller_world(tmp_path):
-    command = ["accelerate", "launch", "--multi_gpu", "--num_processes=4", "scripts/train.py", "--ep_degree", "4",
-               "--output_dir", "runs/x"]
-    job = Job.of(command)
-    assert (job.processes, job.output_dir) == (4, "runs/x")
-    assert job.command(29600)[:4] == ["accelerate", "launch", "--main_process_port", "29600"]
-    smaller = job.at_world(2, (2, 1))
-    assert smaller.launcher == ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "scripts/train.py"]
-    assert smaller.script == ["--ep_degree", "1", "--output_dir", "runs/x", "--dp_degree", "2"]
-    torchrun = Job.of(["torchrun", "--nproc_per_node", "8", "train.py"]).at_world(6, None)
-    assert torchrun.launcher == ["torchrun", "--nproc_per_node", "6", "train.py"] and torchrun.script == []
-    # the planner lays the demo model (8 experts) out on the largest world below 4 it fits: 3 GPUs, dp 3 × ep 1
-    assert smaller_world(4, 2, ROOT / "scripts" / "demo_assets", 4.0) == (3, (3, 1))
-    assert smaller_world(4, 2, None, None) == (3, None)
-    assert smaller_world(4, 2, ROOT / "scripts" / "demo_assets", 1e-6) is None  # nothing fits
+def _running(process) -> bool:
+    """Alive and not a zombie (an orphan's parent may be slow to reap it)."""
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_front_ends_the_workers_a_killed_agent_leaves(tmp_path):
+    """torchrun starts each worker in a session of its own: ``kill -9`` of the agent leaves them running, out of
+    reach of its process group. The front ends them and returns the agent's status; it does not launch again."""
+    import psutil
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    worker = _script(tmp_path, f"Path({str(pids)!r}, str(os.getpid())).touch()\ntime.sleep(600)\n")
+    front = _front(tmp_path, "--max-restarts", "2", "--", str(BIN / "torchrun"), "--nproc_per_node", "2", str(worker))
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline and front.poll() is None:
+            time.sleep(0.1)
+        workers = [psutil.Process(int(p.name)) for p in pids.iterdir()]
+        assert len(workers) == 2 and all(w.ppid() != front.pid for w in workers), front.poll()
+        agent = workers[0].parent()
+        assert "torchrun" in " ".join(agent.cmdline()) and agent.ppid() == front.pid
+        assert all(os.getsid(w.pid) != os.getsid(agent.pid) for w in workers)  # their own sessions
+        agent.kill()
+        front.wait(timeout=60)
+        alive = [w for w in workers if _running(w)]  # the front returns once they are gone
+    finally:
+        for p in [front, *(psutil.Process(int(p.name)) for p in pids.iterdir() if psutil.pid_exists(int(p.name)))]:
+            p.kill()
+    log = front.stdout.read()
+    assert not alive, (alive, log[-3000:])
+    assert front.returncode == 128 + signal.SIGKILL, log[-3000:]
+    assert f"ended 2 process(es) the launch left running (PIDs {sorted(w.pid for w in workers)})" in log, log
+    assert log.count("hf-hybrid-ep launch: running") == 1, log  # the agent's restarts are the restarts
+
+
+def test_the_front_launches_again_at_a_smaller_world_on_one_node(tmp_path):
+    """A job that cannot start at 3 processes (a lost GPU, played by the worker) fails through torchrun's restarts
+    without a checkpoint: the front launches it again at 2 (--min-processes 2) and it finishes."""
+    worker = _script(tmp_path, "sys.exit(3 if os.environ['WORLD_SIZE'] == '3' else 0)\n")
+    front = _front(tmp_path, "--max-restarts", "1", "--min-processes", "2", "--", str(BIN / "torchrun"),
+                   "--nproc_per_node", "3", str(worker))
+    log = front.communicate(timeout=240)[0]
+    assert front.returncode == 0, log[-3000:]
+    runs = [line for line in log.splitlines() if line.startswith("hf-hybrid-ep launch: running")]
+    assert [r.split("--nproc_per_node ")[1].split()[0] for r in runs] == ["3", "2"], runs
+    assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r and "--max-restarts 1 --standalone" in r for r in runs)
+    assert "launching again at 2 processes instead of 3, the engine's default layout" in log, log
+    assert "the launch ended with exit status 1 (torchrun's restarts: --max-restarts 1)" in log, log
 
 
 def test_every_group_the_engine_creates_gets_the_collective_timeout(pools):

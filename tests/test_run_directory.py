@@ -25,7 +25,8 @@ from hf_hybrid_ep.checkpoint.lease import (
 )
 from hf_hybrid_ep.checkpoint.manifest import is_complete
 from hf_hybrid_ep.cli import main as cli
-from hf_hybrid_ep.integrations.launch import supervise
+from hf_hybrid_ep.integrations.launch import Job, run_id
+from hf_hybrid_ep.integrations.supervise import supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -181,20 +182,35 @@ def test_claims_of_a_reused_pid_of_another_host_or_of_a_finished_save_do_not_blo
     assert _leftover_locks(out) == []
 
 
-def test_every_attempt_of_a_launched_job_has_the_same_run_id(tmp_path, capsys, monkeypatch):
-    """``hf-hybrid-ep launch`` gives its attempts one HF_HYBRID_EP_RUN_ID (drawn once unless it was given): the
-    interface by which a restarted attempt takes over its own run's lease and claims."""
+def test_every_round_of_a_launched_job_has_the_same_run_id(tmp_path, monkeypatch):
+    """``hf-hybrid-ep launch`` gives every round torchrun restarts one HF_HYBRID_EP_RUN_ID (drawn once on one node
+    unless it was given): the interface by which a restarted rank 0 takes over its own run's lease and claims."""
     monkeypatch.delenv("HF_HYBRID_EP_RUN_ID", raising=False)
     seen = tmp_path / "seen.txt"
     job = tmp_path / "job.py"
     job.write_text(f"import os, sys\nwith open({str(seen)!r}, 'a') as f:\n"
                    f"    f.write(os.environ.get('HF_HYBRID_EP_RUN_ID', '(unset)') + '\\n')\n"
                    f"sys.exit(0 if len(open({str(seen)!r}).readlines()) == 2 else 3)\n")
-    assert supervise([sys.executable, str(job), "--resume_from_checkpoint", "latest"], 1) == 0
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    assert supervise([torchrun, "--nproc_per_node", "1", str(job)], 1) == 0
     ids = seen.read_text().split()
     assert len(ids) == 2 and ids[0] == ids[1] != "(unset)", ids
-    assert f"run id {ids[0]} (HF_HYBRID_EP_RUN_ID)" in capsys.readouterr().err
     assert "HF_HYBRID_EP_RUN_ID" not in os.environ, "the launcher's own environment is left as it was"
+
+
+def test_the_nodes_of_a_launched_job_derive_one_run_id(monkeypatch):
+    """Every node's front derives the same run id without being told one: torchrun's --rdzv-id when given, else the
+    endpoint and the output directory; a given HF_HYBRID_EP_RUN_ID wins."""
+    monkeypatch.delenv("HF_HYBRID_EP_RUN_ID", raising=False)
+
+    def of(rank: int, *extra: str) -> str:
+        return run_id(Job.of(["torchrun", "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "2",
+                              "--rdzv-endpoint", "head:29500", *extra, "train.py", "--output_dir", "runs/x"]))
+
+    assert of(0) == of(1)
+    assert of(0, "--rdzv-id", "job-7") == of(1, "--rdzv-id", "job-7") == "job-7"
+    monkeypatch.setenv("HF_HYBRID_EP_RUN_ID", "given")
+    assert of(0) == of(1) == "given"
 
 
 def _holder(record: dict, age_s: float = 0.0) -> Holder:

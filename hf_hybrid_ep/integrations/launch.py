@@ -1,268 +1,299 @@
-"""``hf-hybrid-ep launch``: run a training job and, when it fails, run the whole job again, by itself.
+"""The launch command that ``hf-hybrid-ep launch`` runs: the user's ``torchrun`` or ``accelerate launch`` command,
+set up so that torchrun's elastic agent restarts every node's workers together after a failure and the training
+resumes from the newest complete checkpoint.
 
-    hf-hybrid-ep launch --max-restarts 3 -- accelerate launch --multi_gpu --num_processes 8 scripts/train.py \\
-        --output_dir runs/x --save_steps 200 --resume_from_checkpoint latest ...
+    hf-hybrid-ep launch --max-restarts 3 -- torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint head:29500 \\
+        scripts/train.py --output_dir runs/x --save_steps 200 ...
 
-torchrun's and Accelerate's own restarts (``--max-restarts``) re-rendezvous the workers inside the same agent;
-with gloo on torch 2.13 the new workers die in ``connectFullMesh`` ("Connection refused"). Here every attempt is a
-fresh launch: new processes, a new process group on a new port, and the training command resumes from the newest
-complete checkpoint of its output directory (``--resume_from_checkpoint latest``; a fresh start when there is
-none). Before the next attempt the failed one's leftover processes (its whole process group) are ended, so a rank
-that hangs cannot hold the job. Every attempt runs with the same ``HF_HYBRID_EP_RUN_ID`` (kept when set, else
-drawn here), by which it takes over the lease of the output directory and the save claims its predecessor left,
-even from another host (:mod:`hf_hybrid_ep.checkpoint.lease`).
+What the command gets (:func:`restart_command`; ``hf-hybrid-ep launch --dry-run`` prints it):
 
-``--min-processes M`` allows a smaller world: an attempt that failed without writing a new checkpoint (a failure
-that repeats, such as a lost GPU) is followed by one at the largest number of processes below the current, and at
-least ``M``, for which the planner (:func:`hf_hybrid_ep.planning.planner.plan`, on the newest checkpoint's config; of
-a checkpoint of LoRA adapters, on the base model its adapter config names, with the adapters' rank and targets)
-finds a layout that fits; the command gets that ``--num_processes`` and the planner's ``--dp_degree`` /
-``--ep_degree``, and the checkpoint loads at that EP degree. The global batch shrinks with the world
-(per-device batch × accumulation × processes): rescale the learning rate or the accumulation if it matters.
+- ``--max-restarts N`` (Accelerate: ``--max_restarts``). When a worker fails, the agent of its node ends the node's
+  workers and opens a new rendezvous round; the agents of the other nodes see the round and end theirs: every node
+  starts a new worker group, together, at the same world.
+- c10d rendezvous at one endpoint for every node: torchrun ``--rdzv-backend c10d --rdzv-endpoint HOST:PORT`` (as
+  given, or from ``--master_addr``/``--master_port``; ``--standalone`` on one node); Accelerate ``--rdzv_backend
+  c10d``, its ``--main_process_ip``/``--main_process_port`` being the endpoint on several machines, torchrun's
+  ``--standalone`` (``PET_STANDALONE=1``) on one. The static rendezvous (the default of both) cannot restart.
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. By default (torch 2.13) the workers of every round share one c10d store
+  kept by the agent, holding the previous round's keys, so a restarted worker can read the old addresses of its
+  process group: gloo fails in ``connectFullMesh ... Connection refused`` (seen on every try here, one node and
+  two), NCCL can take the old unique id. With it, each round's rank 0 hosts a new store on a new port.
+- ``HF_HYBRID_EP_RUN_ID``, the same for every round and every node (kept when set; else torchrun's ``--rdzv-id``
+  when given, else drawn once on one node; several nodes without either derive it from the endpoint and the output
+  directory): by it a restarted rank 0 takes over the lease of the output directory and the save claims its
+  predecessor left, even from another node (:mod:`hf_hybrid_ep.checkpoint.lease`).
+- ``--resume_from_checkpoint latest`` after the script's arguments, unless they pass ``--resume_from_checkpoint``:
+  the first round starts fresh, every restart resumes from the newest complete checkpoint of ``--output_dir``
+  (:mod:`hf_hybrid_ep.integrations.resume`).
+
+Process counts are read as each launcher means them: Accelerate's ``--num_processes`` is the total over its
+``--num_machines``, torchrun's ``--nproc_per_node`` is per node of its ``--nnodes``; Accelerate's values missing
+from the command line are read from its config file, as ``accelerate launch`` does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
+import shlex
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import RUN_ID_ENV
 from ..errors import HybridEPConfigError
-from .resume import latest_checkpoint
 
-PROCESS_FLAGS = ("--num_processes", "--nproc_per_node", "--nproc-per-node")
-PORT_FLAGS = {"accelerate": "--main_process_port", "torchrun": "--master_port"}
-GRACE_S = 10.0  # a failed attempt's processes get this long after SIGTERM before SIGKILL
+STORE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+RESUME = ("--resume_from_checkpoint", "latest")
+
+# each flag with its aliases, the first the spelling written
+TORCHRUN = {
+    "nodes": ("--nnodes",),
+    "per_node": ("--nproc-per-node", "--nproc_per_node"),
+    "restarts": ("--max-restarts", "--max_restarts"),
+    "backend": ("--rdzv-backend", "--rdzv_backend"),
+    "endpoint": ("--rdzv-endpoint", "--rdzv_endpoint"),
+    "addr": ("--master-addr", "--master_addr"),
+    "port": ("--master-port", "--master_port"),
+}
+ACCELERATE = {
+    "nodes": ("--num_machines",),
+    "total": ("--num_processes",),
+    "restarts": ("--max_restarts",),
+    "backend": ("--rdzv_backend",),
+    "addr": ("--main_process_ip",),
+    "port": ("--main_process_port",),
+}
+# what ``accelerate launch`` takes from its config file when the command line leaves it out (its other defaults,
+# such as ``rdzv_backend``, are not None, so the file never overrides them)
+ACCELERATE_CONFIG_KEYS = {"nodes": "num_machines", "total": "num_processes", "addr": "main_process_ip",
+                          "port": "main_process_port"}
+RESTARTABLE_BACKENDS = ("static", "c10d")  # static is replaced by c10d; another backend is refused
+ACCELERATE_AGENT = ("--multi_gpu", "--use_fsdp")  # what makes accelerate launch run torchrun's agent
+ACCELERATE_AGENT_TYPES = ("MULTI_GPU", "FSDP")  # the same, as the config file's distributed_type
+ACCELERATE_OTHER = ("--cpu", "--use_deepspeed", "--tpu")  # launchers of its own instead of torchrun's agent
 
 
-def _say(message: str) -> None:
-    print(f"hf-hybrid-ep launch: {message}", file=sys.stderr, flush=True)
-
-
-def _value(args: list[str], flags: tuple[str, ...]) -> tuple[int, str] | None:
-    """``(index, value)`` of the first of ``flags`` in ``args`` (``--flag value`` or ``--flag=value``)."""
+def _value(args: list[str], flags: tuple[str, ...]) -> str | None:
+    """The value of the first of ``flags`` in ``args`` (``--flag value`` or ``--flag=value``), else ``None``."""
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
         if name in flags:
             if eq:
-                return i, value
+                return value
             if i + 1 < len(args):
-                return i, args[i + 1]
+                return args[i + 1]
     return None
 
 
-def _set(args: list[str], flag: str, value: str | None, at: int | None = None) -> list[str]:
-    """``args`` with ``flag`` set to ``value`` (removed when ``None``); a new flag goes at ``at`` (default: the end)."""
-    out, i, found = [], 0, False
+def _set(args: list[str], flags: tuple[str, ...], value: str | None, at: int = 0) -> list[str]:
+    """``args`` with the flag of spellings ``flags`` set to ``value`` (removed when ``None``): in place of its first
+    occurrence, as spelled there, the others dropped; a flag that was not there goes at ``at``, as ``flags[0]``."""
+    out, i, first, spelling = [], 0, None, flags[0]
     while i < len(args):
         name, eq, _ = args[i].partition("=")
-        if name == flag:
-            found = True
-            if value is not None:
-                out += [flag, value]
+        if name in flags:
+            if first is None:
+                first, spelling = len(out), name
             i += 1 if eq else 2
             continue
         out.append(args[i])
         i += 1
-    if not found and value is not None:
-        at = len(out) if at is None else at
-        out[at:at] = [flag, value]
+    if value is not None:
+        where = at if first is None else first
+        out[where:where] = [spelling, value]
     return out
 
 
-@dataclass
-class Job:
-    """A launch command split into the launcher's part and the training script's arguments."""
+def _count(value: str, flag: str) -> int:
+    """A positive process or node count; a torchrun node range ``MIN:MAX`` counts as its ``MAX``."""
+    text = value.rpartition(":")[2]
+    if not text.isdigit() or int(text) < 1:
+        raise HybridEPConfigError(f"{flag} {value!r} is not a positive number")
+    return int(text)
 
-    launcher: list[str]  # up to and including the script
-    script: list[str]
+
+def _accelerate_config(flags: list[str]) -> dict[str, object]:
+    """What Accelerate's config file (``--config_file``, else its default file, if any) sets, as ``accelerate
+    launch`` reads it for the flags its command line leaves out."""
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+
+    path = _value(flags, ("--config_file",))
+    if path is None and not Path(default_config_file).is_file():
+        return {}
+    return load_config_from_file(path).to_dict()
+
+
+@dataclass(frozen=True)
+class Job:
+    """A launch command split at its script: ``head`` names the launcher (``torchrun``, ``python -m
+    torch.distributed.run``, ``accelerate launch``), ``flags`` are the launcher's, ``args`` the script's."""
+
+    tool: str  # "torchrun" or "accelerate"
+    head: tuple[str, ...]
+    flags: tuple[str, ...]
+    script: str
+    args: tuple[str, ...]
+    config: tuple[tuple[str, object], ...] = ()  # Accelerate's config file, for the flags not given
 
     @classmethod
     def of(cls, command: list[str]) -> Job:
         if not command:
-            raise HybridEPConfigError("launch: give the command after '--', e.g. -- accelerate launch ... train.py ...")
-        at = next((i for i, a in enumerate(command) if a.endswith(".py")), None)
+            raise HybridEPConfigError("give the command after '--': -- torchrun ... train.py ... or "
+                                      "-- accelerate launch ... train.py ...")
+        name = Path(command[0]).name
+        if name == "accelerate" and command[1:2] == ["launch"]:
+            tool, head = "accelerate", 2
+        elif name == "torchrun":
+            tool, head = "torchrun", 1
+        elif command[1:3] == ["-m", "torch.distributed.run"]:
+            tool, head = "torchrun", 3
+        else:
+            raise HybridEPConfigError(f"the command {shlex.join(command[:3])!r}... is neither torchrun nor "
+                                      "accelerate launch: the restarts are torchrun's elastic agent's, which both run")
+        at = next((i for i in range(head, len(command)) if command[i].endswith(".py")), None)
         if at is None:
-            raise HybridEPConfigError(f"launch: the command {command!r} names no Python script (…/train.py)")
-        return cls(command[: at + 1], command[at + 1 :])
+            raise HybridEPConfigError(f"the command {command!r} names no Python script (…/train.py)")
+        flags = command[head:at]
+        config = tuple(_accelerate_config(flags).items()) if tool == "accelerate" else ()
+        return cls(tool, tuple(command[:head]), tuple(flags), command[at], tuple(command[at + 1 :]), config)
+
+    def setting(self, key: str) -> str | None:
+        """A launcher setting: from the command line, else (Accelerate) from its config file."""
+        names = (TORCHRUN if self.tool == "torchrun" else ACCELERATE)[key]
+        value = _value(list(self.flags), names)
+        if value is None and key in ACCELERATE_CONFIG_KEYS and self.tool == "accelerate":
+            found = dict(self.config).get(ACCELERATE_CONFIG_KEYS[key])
+            value = None if found is None else str(found)
+        return value
+
+    @property
+    def nodes(self) -> int:
+        value = self.setting("nodes")
+        return 1 if value is None else _count(value, "--nnodes" if self.tool == "torchrun" else "--num_machines")
 
     @property
     def processes(self) -> int | None:
-        found = _value(self.launcher, PROCESS_FLAGS)
-        return None if found is None else int(found[1])
+        """The total number of processes over all nodes (``None``: not given, or torchrun's ``gpu``/``auto``)."""
+        if self.tool == "accelerate":
+            value = self.setting("total")
+            return None if value is None else _count(value, "--num_processes")
+        value = self.setting("per_node")
+        return None if value is None or not value.isdigit() else _count(value, "--nproc_per_node") * self.nodes
 
     @property
     def output_dir(self) -> str | None:
-        found = _value(self.script, ("--output_dir",))
-        return None if found is None else found[1]
+        return _value(list(self.args), ("--output_dir",))
 
-    def command(self, port: int) -> list[str]:
-        """The command of one attempt, rendezvousing on ``port`` (Accelerate and torchrun, unless set)."""
-        launcher = list(self.launcher)
-        tool = Path(launcher[0]).name
-        flag = PORT_FLAGS.get("accelerate" if tool == "accelerate" else tool)
-        if flag is not None and _value(launcher, (flag,)) is None and "--standalone" not in launcher:
-            launcher = _set(launcher, flag, str(port), at=2 if tool == "accelerate" else 1)
-        return launcher + self.script
+    def check(self) -> None:
+        """Refuse what the agent could not restart or would start at another world than asked."""
+        total, nodes = self.processes, self.nodes
+        if self.tool == "accelerate" and total is not None and total % nodes:
+            raise HybridEPConfigError(
+                f"accelerate launch --num_processes {total} --num_machines {nodes}: --num_processes is the "
+                f"total over all machines and Accelerate starts {total} // {nodes} = {total // nodes} on each "
+                f"({total // nodes * nodes} ranks); give a multiple of --num_machines")
+        backend = self.setting("backend")
+        if backend is not None and backend not in RESTARTABLE_BACKENDS:
+            raise HybridEPConfigError(f"--rdzv-backend {backend}: restarts here use the c10d rendezvous "
+                                      "(leave the flag out, or give c10d)")
+        if self.tool == "accelerate":
+            other = [flag for flag in ACCELERATE_OTHER if flag in self.flags]
+            if other or not (set(ACCELERATE_AGENT) & set(self.flags)
+                             or dict(self.config).get("distributed_type") in ACCELERATE_AGENT_TYPES):
+                raise HybridEPConfigError(
+                    f"accelerate launch {' '.join(other) or 'without --multi_gpu'} does not run torchrun's elastic "
+                    "agent, so nothing would restart: give --multi_gpu (on the CPU too, with ACCELERATE_USE_CPU=1)")
 
-    def at_world(self, processes: int, layout: tuple[int, int] | None) -> Job:
-        """This job at ``processes`` processes with the planner's ``(dp, ep)`` (``None``: the engine's default)."""
-        found = _value(self.launcher, PROCESS_FLAGS)
-        flag = PROCESS_FLAGS[0] if found is None else self.launcher[found[0]].partition("=")[0]
-        script = self.script
+    def with_processes(self, total: int) -> Job:
+        """This job at ``total`` processes over its nodes (torchrun: ``total / nodes`` per node)."""
+        nodes = self.nodes
+        if total % nodes:
+            raise HybridEPConfigError(f"{total} processes do not split over {nodes} nodes")
+        if self.tool == "accelerate":
+            return replace(self, flags=tuple(_set(list(self.flags), ACCELERATE["total"], str(total))))
+        return replace(self, flags=tuple(_set(list(self.flags), TORCHRUN["per_node"], str(total // nodes))))
+
+    def with_layout(self, layout: tuple[int, int] | None) -> Job:
+        """This job with the script's ``--dp_degree``/``--ep_degree`` set to ``layout`` (``None``: left out, the
+        engine's default)."""
+        args = list(self.args)
         for name, value in zip(("--dp_degree", "--ep_degree"), layout or (None, None), strict=True):
-            script = _set(script, name, None if value is None else str(value))
-        return Job(_set(self.launcher, flag, str(processes)), script)
+            args = _set(args, (name,), None if value is None else str(value), at=len(args))
+        return replace(self, args=tuple(args))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _torchrun_rendezvous(flags: list[str], nodes: int) -> list[str]:
+    """torchrun's flags with the c10d rendezvous at one endpoint (``--standalone`` on one node)."""
+    if "--standalone" in flags:
+        if nodes > 1:
+            raise HybridEPConfigError(f"--standalone is one node, the command asks --nnodes {nodes}: give "
+                                      "--rdzv-endpoint HOST:PORT, the same on every node, instead")
+        return _set(flags, TORCHRUN["backend"], None)
+    endpoint = _value(flags, TORCHRUN["endpoint"])
+    if endpoint is None:
+        addr, port = _value(flags, TORCHRUN["addr"]), _value(flags, TORCHRUN["port"])
+        if addr is None and port is None:
+            if nodes > 1:
+                raise HybridEPConfigError(
+                    f"--nnodes {nodes} needs the rendezvous endpoint: give --rdzv-endpoint HOST:PORT, the "
+                    "same on every node (HOST: a node every node reaches, e.g. the first of the job)")
+            return ["--standalone", *_set(flags, TORCHRUN["backend"], None)]
+        if addr is None and nodes > 1:
+            raise HybridEPConfigError(f"--master_port {port} without --master_addr on {nodes} nodes: give "
+                                      "--rdzv-endpoint HOST:PORT, the same on every node")
+        endpoint = f"{addr or '127.0.0.1'}:{port or 29500}"
+        where = next(i for i, arg in enumerate(flags) if arg.partition("=")[0] in TORCHRUN["addr"] + TORCHRUN["port"])
+        flags = _set(_set(flags, TORCHRUN["addr"], None), TORCHRUN["port"], None)
+        flags = _set(flags, TORCHRUN["endpoint"], endpoint, at=where)
+    return _set(flags, TORCHRUN["backend"], "c10d")
 
 
-class Stopped(Exception):
-    """The launcher itself was told to stop (SIGTERM, SIGHUP): no restart."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _stop(signum: int, frame) -> None:
-    raise Stopped(signum)
-
-
-def run_attempt(command: list[str], env: dict[str, str] | None = None) -> int:
-    """Run ``command`` (in environment ``env``, default this process's) in a session of its own; when it ends (or
-    the launcher is stopped), end whatever of it is left. Its exit status (a signal's number negated)."""
-    process = subprocess.Popen(command, start_new_session=True, env=env)
-    try:
-        code = process.wait()
-    finally:
-        _end_group(process.pid)
-    return code
+def _accelerate_rendezvous(job: Job) -> tuple[list[str], dict[str, str]]:
+    """Accelerate's flags with the c10d rendezvous, and the environment it needs on one machine."""
+    flags = list(job.flags)
+    if "--same_network" in flags:
+        raise HybridEPConfigError("accelerate launch --same_network rendezvouses statically, which cannot "
+                                  "restart: leave it out (the c10d rendezvous meets at --main_process_ip:port)")
+    env = {}
+    if job.nodes > 1:
+        missing = [flag for key, flag in (("addr", "--main_process_ip"), ("port", "--main_process_port"))
+                   if job.setting(key) is None]
+        if missing:
+            raise HybridEPConfigError(f"accelerate launch --num_machines {job.nodes} needs "
+                                      f"{' and '.join(missing)}: the rendezvous endpoint, the same on every machine")
+    else:
+        env["PET_STANDALONE"] = "1"  # torchrun's --standalone, which accelerate launch does not pass on
+    return _set(flags, ACCELERATE["backend"], "c10d"), env
 
 
-def _end_group(pgid: int) -> None:
-    """SIGTERM, then SIGKILL after :data:`GRACE_S`, to every process still in process group ``pgid``."""
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+def run_id(job: Job) -> str:
+    """The run id every round of ``job`` on every node runs with (see the module docstring)."""
+    given = os.environ.get(RUN_ID_ENV) or (_value(list(job.flags), ("--rdzv-id", "--rdzv_id"))
+                                           if job.tool == "torchrun" else None)
+    if given:
+        return given
+    if job.nodes == 1:
+        return uuid.uuid4().hex[:16]
+    endpoint = (_value(list(job.flags), TORCHRUN["endpoint"]) if job.tool == "torchrun" else None) or \
+        f"{job.setting('addr')}:{job.setting('port')}"
+    return hashlib.sha256(f"{endpoint} {job.output_dir}".encode()).hexdigest()[:16]
 
 
-def memory_per_process_gb(processes: int) -> float:
-    """What one process may use, for the planner: the first GPU's memory, else the host's divided by ``processes``."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / 2**30
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / processes
-
-
-def _plan_inputs(checkpoint: Path) -> tuple[str, dict]:
-    """What the planner reads for ``checkpoint``: the checkpoint itself, or, for a checkpoint of LoRA adapters, the
-    base model its saved adapter config names and the adapters' rank and targets."""
-    from ..checkpoint.adapters import saved_adapter_config
-
-    adapter = saved_adapter_config(checkpoint)
-    if adapter is None:
-        return str(checkpoint), {}
-
-    def names(value) -> list[str] | None:
-        return sorted(value) if isinstance(value, list | set | tuple) else None
-
-    return adapter.base_model_name_or_path or "", {
-        "lora_r": adapter.r, "lora_target_modules": names(adapter.target_modules),
-        "lora_target_parameters": names(getattr(adapter, "target_parameters", None))}
-
-
-def smaller_world(current: int, minimum: int, checkpoint: Path | None, memory_gb: float | None
-                  ) -> tuple[int, tuple[int, int] | None] | None:
-    """The largest world below ``current`` and at least ``minimum`` with a layout that fits, and the planner's
-    ``(dp, ep)`` for it (``None`` without a checkpoint to plan from, or a checkpoint of adapters that names no base
-    model: the engine's default layout)."""
-    from ..planning.planner import plan
-
-    model, lora = (None, {}) if checkpoint is None else _plan_inputs(Path(checkpoint))
-    for world in range(current - 1, minimum - 1, -1):
-        if not model:
-            return world, None
-        result = plan(model, world, memory_gb or memory_per_process_gb(world), **lora)
-        recommended = result["recommended"]
-        if recommended is not None:
-            return world, (recommended["dp"], recommended["ep"])
-    return None
-
-
-def supervise(command: list[str], max_restarts: int, min_processes: int | None = None,
-              gpu_memory_gib: float | None = None) -> int:
-    """Run ``command`` and restart it whole after a failure, up to ``max_restarts`` times (see the module
-    docstring). Returns the last attempt's exit status (0 when the job finished)."""
-    job = Job.of(command)
-    if min_processes is not None and job.processes is None:
-        raise HybridEPConfigError(f"launch --min-processes needs the command to give {' or '.join(PROCESS_FLAGS)}")
-    if "--resume_from_checkpoint" not in " ".join(job.script):
-        _say("the command passes no --resume_from_checkpoint: unless its --hybrid_ep_config file sets "
-             "resume_from_checkpoint: latest, every restart starts from scratch")
-    env = {**os.environ, RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]}  # one for every attempt
-    _say(f"run id {env[RUN_ID_ENV]} ({RUN_ID_ENV}): each attempt takes over its predecessor's lease and save claims")
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _stop)
-    try:
-        return _attempts(job, max_restarts, min_processes, gpu_memory_gib, env)
-    except (Stopped, KeyboardInterrupt) as err:
-        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
-        _say(f"stopped by {signal.Signals(signum).name}: the job's processes were ended, no restart")
-        return 128 + signum
-
-
-def _attempts(job: Job, max_restarts: int, min_processes: int | None, gpu_memory_gib: float | None,
-              env: dict[str, str]) -> int:
-    code = 0
-    for attempt in range(max_restarts + 1):
-        before = latest_checkpoint(job.output_dir) if job.output_dir else None
-        code = run_attempt(job.command(_free_port()), env)
-        if code == 0:
-            return 0
-        after = latest_checkpoint(job.output_dir) if job.output_dir else None
-        if attempt == max_restarts:
-            _say(f"attempt {attempt + 1} failed with exit status {code}; no restart left (--max-restarts {max_restarts})")
-            return code
-        job = _next_job(job, min_processes, after, progressed=after is not None and after != before,
-                        gpu_memory_gib=gpu_memory_gib)
-        _say(f"attempt {attempt + 1} failed with exit status {code}; restarting the whole job ({attempt + 1} of "
-             f"{max_restarts} restarts), resuming from {after or 'the start (no complete checkpoint yet)'}")
-    return code
-
-
-def _next_job(job: Job, min_processes: int | None, checkpoint: Path | None, progressed: bool,
-              gpu_memory_gib: float | None) -> Job:
-    """The same job, or, with ``min_processes``, after an attempt that wrote no checkpoint, a smaller world."""
-    if min_processes is None or progressed or job.processes is None or job.processes <= min_processes:
-        return job
-    smaller = smaller_world(job.processes, min_processes, checkpoint, gpu_memory_gib)
-    if smaller is None:
-        _say(f"no layout of fewer than {job.processes} processes (at least {min_processes}) fits; keeping the world")
-        return job
-    world, layout = smaller
-    what = "the engine's default layout" if layout is None else f"dp {layout[0]} × ep {layout[1]} (planner)"
-    _say(f"the attempt wrote no new checkpoint: shrinking the world from {job.processes} to {world} processes, "
-         f"{what}; the global batch shrinks with it")
-    return job.at_world(world, layout)
+def restart_command(job: Job, max_restarts: int, run: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command that runs ``job`` with torchrun's elastic agent restarting it up to ``max_restarts`` times
+    (see the module docstring), and the environment variables it needs beside the caller's (``run``: the run id,
+    else :func:`run_id`)."""
+    job.check()
+    env = dict(STORE_ENV)
+    if job.tool == "torchrun":
+        flags = _set(_torchrun_rendezvous(list(job.flags), job.nodes), TORCHRUN["restarts"], str(max_restarts))
+    else:
+        flags, extra = _accelerate_rendezvous(job)
+        flags = _set(flags, ACCELERATE["restarts"], str(max_restarts))
+        env.update(extra)
+    env[RUN_ID_ENV] = run or run_id(job)
+    args = list(job.args)
+    if _value(args, (RESUME[0],)) is None and RESUME[0] not in args:
+        args += RESUME
+    return [*job.head, *flags, job.script, *args], env

@@ -5,7 +5,7 @@ it so that every step is recorded once.
 output directory whose manifest lists every file it holds with its size — of a full model or of PEFT adapters
 alike (an interrupted save is completed or rolled back first, :func:`hf_hybrid_ep.checkpoint.atomic.recover`);
 a newer one that is not complete is skipped with a warning naming what it lacks; with none the run starts fresh.
-A restarted job (:mod:`hf_hybrid_ep.integrations.launch`) can therefore always pass it, before its first
+A job that torchrun restarts (:mod:`hf_hybrid_ep.integrations.launch`) can therefore always pass it, before its first
 checkpoint exists.
 """
 
