@@ -6,8 +6,6 @@ expert-parallel groups and reached by all-to-all. See README.md and docs/archite
 
 from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
 from .checkpoint.lease import hold_output_dir
-from .checkpoint.load import from_pretrained
-from .checkpoint.save import save_hybrid_checkpoint
 from .config import HybridEPConfig
 from .dispatch import PlacementTable
 from .engine import (
@@ -34,6 +32,8 @@ from .inference.offload import cache_stats, load_offloaded, offload, resize_offl
 from .inference.policies import ExpertCache
 from .inference.stores import MemoryStore, SafetensorsStore
 from .memory import memory_report
+from .model_io.rank_local import from_pretrained
+from .model_io.save import save_hybrid_checkpoint
 from .moe.discovery import find_experts_modules, is_fused_experts
 from .moe.experts import register_experts_implementation
 from .parallel.mesh import HybridMesh, build_mesh

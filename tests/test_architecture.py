@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("placement", ("planning.placement",)),
     ("MoE layer", ("moe",)),
     ("orchestration", ("engine",)),
-    ("artifacts and planning", ("checkpoint", "inference", "memory", "metrics", "planning")),
+    ("artifacts and planning", ("checkpoint", "model_io", "inference", "memory", "metrics", "planning")),
     ("entry points", ("integrations", "hub", "cli", "")),
 ]
 MAX_FUNCTION_LINES = 80

@@ -32,6 +32,7 @@ from .atomic import check_output_free, open_checkpoint, staged_save
 from .dequantize import DEFAULT_DTYPE, Dequantizer, quantization_of
 from .format import (
     INDEX_NAME,
+    SIDE_FILE,
     SINGLE_NAME,
     TRAINING_STATE,
     CheckpointIndex,
@@ -47,7 +48,6 @@ from .format import (
 from .keys import ModelExperts, classify_keys, model_experts, model_tensor_names
 from .manifest import save_metadata
 from .safetensors_io import StreamingSafetensorsWriter, TensorFiles, TensorSpec, sha256_file
-from .side_state import SIDE_FILE
 from .validate import validate_against_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -28,8 +28,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: ``placement`` may be per layer; 1 (one table for every layer) still loads
 READABLE_VERSIONS = (1, 2)
-OPTIMIZER_TENSORS_NAME = "optimizer.safetensors"  # a Trainer checkpoint's optimizer state (integrations.optimizer_state)
+OPTIMIZER_TENSORS_NAME = "optimizer.safetensors"  # a Trainer checkpoint's optimizer state (model_io.optimizer_state)
 OPTIMIZER_META_NAME = "optimizer.json"
+SIDE_FILE = "hybrid_ep_state.safetensors"  # state vanilla transformers has no place for (model_io.side_state)
 # What a Trainer checkpoint holds besides the model: the optimizer state above and the Trainer's own files
 # (transformers.trainer's TRAINER_STATE_NAME, TRAINING_ARGS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME,
 # rng_state*.pth) — never part of a plain model directory.

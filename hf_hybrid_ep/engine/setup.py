@@ -182,7 +182,7 @@ def parallelize_peft_model(peft_model: nn.Module) -> nn.Module:
     held slot-major and computed with their experts, the gradient reducer is rebuilt for the adapters (PEFT froze
     the base weights), and the PeftModel carries the engine's state — it saves PEFT's adapter directory
     collectively and hands the state back on ``merge_and_unload``. The factors keep PEFT's values, which depend on
-    the layout; :func:`hf_hybrid_ep.checkpoint.adapters.init_adapters_` draws fresh ones that do not. Collective.
+    the layout; :func:`hf_hybrid_ep.model_io.adapters.init_adapters_` draws fresh ones that do not. Collective.
 
     Raises:
         HybridEPConfigError: as :func:`parallelize` does for adapters the engine cannot train.

@@ -292,7 +292,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
     from ..checkpoint.keys import build_meta_model, read_config
-    from ..checkpoint.load import _assemble, _Reader, rank_local_targets
+    from ..model_io.rank_local import _assemble, _Reader, rank_local_targets
 
     root = Path(path)
     if not root.is_dir():

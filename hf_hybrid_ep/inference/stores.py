@@ -38,7 +38,7 @@ class SafetensorsStore:
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
         from ..checkpoint.atomic import open_checkpoint
-        from ..checkpoint.load import _weight_map
+        from ..model_io.rank_local import _weight_map
 
         self.root = Path(path)
         if not self.root.is_dir():
@@ -50,7 +50,7 @@ class SafetensorsStore:
         self.reader = None
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
-        from ..checkpoint.load import _Reader, rank_local_targets
+        from ..model_io.rank_local import _Reader, rank_local_targets
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
         self.targets = rank_local_targets(model, views, self.weight_map)
@@ -69,7 +69,7 @@ class SafetensorsStore:
                     )
 
     def expert(self, layer: str, expert: int) -> dict[str, torch.Tensor]:
-        from ..checkpoint.load import _assemble, _Target
+        from ..model_io.rank_local import _assemble, _Target
 
         out = {}
         for p in self.param_names[layer]:

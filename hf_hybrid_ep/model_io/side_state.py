@@ -14,10 +14,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..checkpoint.format import SIDE_FILE
+from ..checkpoint.manifest import CheckpointVerifier, save_metadata
 from ..engine.state import state_of
-from .manifest import CheckpointVerifier, save_metadata
-
-SIDE_FILE = "hybrid_ep_state.safetensors"
 
 
 def _biased_layers(model: nn.Module) -> list:

@@ -20,6 +20,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.atomic import open_checkpoint
+from ..checkpoint.convert import hub_metadata
+from ..checkpoint.dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
+from ..checkpoint.format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
+from ..checkpoint.keys import build_meta_model, model_tensor_names, read_config
+from ..checkpoint.manifest import CheckpointVerifier
+from ..checkpoint.peft_files import adapter_directory, check_fresh_init, read_adapter_config
+from ..checkpoint.safetensors_io import TensorFiles, read_header
 from ..config import HybridEPConfig
 from ..engine.adapters import is_peft_model
 from ..engine.failures import agree_on_failure
@@ -29,14 +37,7 @@ from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts
 from ..parallel.devices import rank_device
 from ..parallel.mesh import default_device_type
-from .adapters import adapter_directory, check_fresh_init, init_adapters_, load_adapter_, read_adapter_config
-from .atomic import open_checkpoint
-from .convert import hub_metadata
-from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
-from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
-from .keys import build_meta_model, model_tensor_names, read_config
-from .manifest import CheckpointVerifier
-from .safetensors_io import TensorFiles, read_header
+from .adapters import init_adapters_, load_adapter_
 from .side_state import load_side_state
 
 logger = logging.getLogger(__name__)
@@ -359,7 +360,7 @@ def from_pretrained(
     """Build a hybrid-EP model reading only dense tensors and this rank's experts.
 
     With ``peft_config`` (a ``peft.LoraConfig``) the model returned is a ``PeftModel`` with fresh adapters
-    (:func:`hf_hybrid_ep.checkpoint.adapters.init_adapters_`); with ``adapter`` (a PEFT adapter directory or Hub
+    (:func:`hf_hybrid_ep.model_io.adapters.init_adapters_`); with ``adapter`` (a PEFT adapter directory or Hub
     repo id) one with that adapter, of whose expert factors a rank reads only its own experts' (trainable
     with ``is_trainable``, as ``PeftModel.from_pretrained``). Base weights are frozen.
 

@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.convert import ShardFileMap
+from ..checkpoint.format import FileInfo
+from ..checkpoint.keys import ModelExperts
+from ..checkpoint.manifest import save_metadata
+from ..checkpoint.safetensors_io import StreamingSafetensorsWriter, TensorSpec, nonfinite_count, sha256_file
 from ..engine.model_io import gather_scratch, host_tensors, savable_state
 from ..engine.state import state_of
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
 from ..parallel.heartbeat import FAILED, WORKING, Heartbeat
-from .convert import ShardFileMap
-from .format import FileInfo
-from .keys import ModelExperts
-from .manifest import save_metadata
-from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, nonfinite_count, sha256_file
 from .side_state import save_side_state
 
 

@@ -11,14 +11,13 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
+from ..checkpoint.format import INDEX_NAME, SIDE_FILE
+from ..checkpoint.manifest import read_manifest, write_manifest
+from ..checkpoint.safetensors_io import write_point
 from ..engine.state import state_of
 from ..parallel.heartbeat import Heartbeat
 from ..parallel.watchdog import watched
-from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
-from .format import INDEX_NAME
-from .manifest import read_manifest, write_manifest
-from .safetensors_io import write_point
-from .side_state import SIDE_FILE
 from .stream import stream_model_files
 
 
@@ -87,9 +86,10 @@ def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str])
     in the index, so loading puts the same experts on the same ranks). Collective.
 
     ``output_dir`` absent, empty or holding only an earlier checkpoint: the checkpoint is staged beside
-    it and put in place atomically (:mod:`.atomic`). ``output_dir`` holding other things too (a run
-    directory with ``checkpoint-*`` inside): the staged files are moved in, weights first and the index
-    last, and a crash in between leaves files of two saves, which every loader refuses, naming them.
+    it and put in place atomically (:mod:`hf_hybrid_ep.checkpoint.atomic`). ``output_dir`` holding other
+    things too (a run directory with ``checkpoint-*`` inside): the staged files are moved in, weights first
+    and the index last, and a crash in between leaves files of two saves, which every loader refuses,
+    naming them.
     """
     output_dir = Path(output_dir)
 
