@@ -16,10 +16,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("process groups", ("parallel",)),
     ("token exchange", ("dispatch",)),
     ("placement", ("planning.placement",)),
+    ("checkpoint files", ("checkpoint",)),
     ("MoE layer", ("moe",)),
     ("orchestration", ("engine",)),
-    ("artifacts and planning", ("checkpoint", "model_io", "inference", "memory", "metrics", "planning")),
-    ("entry points", ("integrations", "hub", "cli", "")),
+    ("model I/O and artifacts", ("model_io", "inference", "memory", "metrics", "planning")),
+    ("entry points", ("integrations", "pretrained", "hub", "cli", "")),
 ]
 MAX_FUNCTION_LINES = 80
 
@@ -226,3 +227,25 @@ def test_no_logic_is_written_twice():
     root = PACKAGE.parent
     paths = sorted([*PACKAGE.rglob("*.py"), *(root / "scripts").rglob("*.py"), *(root / "benchmarks").rglob("*.py")])
     assert not duplicate_blocks(paths)
+
+
+# ---- files and model I/O
+
+
+def test_checkpoint_files_know_no_model():
+    """checkpoint/ is the model-free file format: it imports neither the engine, the MoE layer nor model I/O, and of
+    transformers only configs and the weight-conversion machinery (``core_model_loading``), never a model class."""
+    allowed = {"transformers": {"PretrainedConfig", "AutoConfig"}, "transformers.core_model_loading": None}
+    wrong = []
+    for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
+        name = _module_name(path)
+        wrong += [f"{name} imports {t}" for t in _imports(path) if t.split(".")[0] in ("engine", "moe", "model_io")]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wrong += [f"{name} imports {a.name}" for a in node.names if a.name.split(".")[0] == "transformers"]
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "transformers":
+                names = allowed.get(node.module, set())
+                wrong += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if names is not None and a.name not in names]
+    assert not wrong, wrong
+

@@ -291,8 +291,9 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
 
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
-    from ..checkpoint.keys import build_meta_model, read_config
-    from ..model_io.rank_local import _assemble, _Reader, rank_local_targets
+    from ..checkpoint.reader import CheckpointReader
+    from ..model_io.rank_local import _assemble, rank_local_targets
+    from ..moe.architecture import build_meta_model, read_config
 
     root = Path(path)
     if not root.is_dir():
@@ -302,7 +303,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     offload(model, capacity, policy, device=device, store=store, prefetch=prefetch)
     experts = {f"{layer.name}.{p}" for layer in offload_state_of(model) for p in layer.param_names}
     weight_map = store.weight_map
-    reader = _Reader(root, weight_map, verifier=store.verifier)
+    reader = CheckpointReader(root, weight_map, verifier=store.verifier)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     with torch.no_grad():

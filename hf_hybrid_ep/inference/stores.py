@@ -38,23 +38,24 @@ class SafetensorsStore:
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
         from ..checkpoint.atomic import open_checkpoint
-        from ..model_io.rank_local import _weight_map
+        from ..checkpoint.format import read_weight_map
 
         self.root = Path(path)
         if not self.root.is_dir():
             raise HybridEPConfigError(f"expert store {str(self.root)!r} is not a checkpoint directory")
         self.verifier = open_checkpoint(self.root, verify=verify)  # each file checked when first opened
-        self.weight_map = _weight_map(self.root)
+        self.weight_map = read_weight_map(self.root)
         self.targets: dict = {}
         self.model: nn.Module | None = None
         self.reader = None
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
-        from ..model_io.rank_local import _Reader, rank_local_targets
+        from ..checkpoint.reader import CheckpointReader
+        from ..model_io.rank_local import rank_local_targets
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
         self.targets = rank_local_targets(model, views, self.weight_map)
-        self.model, self.reader = model, _Reader(self.root, self.weight_map, verifier=self.verifier)
+        self.model, self.reader = model, CheckpointReader(self.root, self.weight_map, verifier=self.verifier)
         self.param_names = {name: param_names for name, _, param_names in layers}
         for name, module, param_names in layers:  # a checkpoint of another model fails here, naming the key
             for p in param_names:

@@ -21,23 +21,24 @@ import torch
 from torch import nn
 
 from ..checkpoint.atomic import open_checkpoint
-from ..checkpoint.convert import hub_metadata
 from ..checkpoint.dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
-from ..checkpoint.format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
-from ..checkpoint.keys import build_meta_model, model_tensor_names, read_config
+from ..checkpoint.format import INDEX_NAME, PER_EXPERT_KEY, read_weight_map
 from ..checkpoint.manifest import CheckpointVerifier
 from ..checkpoint.peft_files import adapter_directory, check_fresh_init, read_adapter_config
-from ..checkpoint.safetensors_io import TensorFiles, read_header
+from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.sources import hub_metadata
 from ..config import HybridEPConfig
 from ..engine.adapters import is_peft_model
 from ..engine.failures import agree_on_failure
 from ..engine.state import state_of
 from ..errors import CheckpointError, HybridEPConfigError
+from ..moe.architecture import build_meta_model, read_config
 from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts
 from ..parallel.devices import rank_device
 from ..parallel.mesh import default_device_type
 from .adapters import init_adapters_, load_adapter_
+from .names import model_tensor_names
 from .side_state import load_side_state
 
 logger = logging.getLogger(__name__)
@@ -52,19 +53,6 @@ class _Target:
     sources: dict[str, list[str | None]] = field(default_factory=dict)
     direct: str | None = None  # a key loaded as is
     rows: list[int] | None = None  # fused expert tensor: the global expert rows this rank reads
-
-
-def _weight_map(root: Path) -> dict[str, str]:
-    index = root / INDEX_NAME
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err}") from err
-    if (root / SINGLE_NAME).is_file():
-        specs, _ = read_header(root / SINGLE_NAME)
-        return {k: SINGLE_NAME for k in specs}
-    raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:
@@ -106,34 +94,7 @@ def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_ma
     return dict(targets)
 
 
-class _Reader(TensorFiles):
-    """Opens each needed file once, checked first; reads whole tensors or row subsets of fused tensors,
-    dequantized where the checkpoint is quantized (only the rows asked for)."""
-
-    def __init__(self, root: Path, weight_map: dict[str, str], fetch: Callable[[str], Path] | None = None,
-                 verifier: CheckpointVerifier | None = None, dequantizer: Dequantizer | None = None) -> None:
-        super().__init__(weight_map, self._path)
-        self.root, self.fetch, self.verifier = root, fetch, verifier
-        self.dequantizer = dequantizer or Dequantizer(None, weight_map)
-
-    def _path(self, name: str) -> Path:
-        member = safe_member(self.root, name, INDEX_NAME)
-        path = self.fetch(name) if self.fetch is not None else member
-        _, metadata = read_header(path)  # a clear error for a missing or truncated file
-        if self.verifier is not None:
-            self.verifier.check(name, path, metadata)
-        return path
-
-    def tensor(self, key: str) -> torch.Tensor:
-        return self.dequantizer.read(self, key)
-
-    def rows(self, key: str, rows: list[int]) -> torch.Tensor:
-        if rows == list(range(rows[0], rows[-1] + 1)):
-            return self.dequantizer.read(self, key, slice(rows[0], rows[-1] + 1))
-        return torch.cat([self.dequantizer.read(self, key, slice(r, r + 1)) for r in rows])
-
-
-def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> torch.Tensor:
+def _assemble(name: str, target: _Target, reader: CheckpointReader, model: nn.Module) -> torch.Tensor:
     if target.converter is None:
         if target.rows is not None:
             return reader.rows(target.direct, target.rows)
@@ -192,10 +153,10 @@ def load_rank_local_(
     :func:`open_checkpoint` of ``root`` with sha256 on) against the index's manifest.
     """
     verifier = verifier or open_checkpoint(root, local=fetch is None)
-    weight_map = _weight_map(root)
+    weight_map = read_weight_map(root)
     dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
     targets = rank_local_targets(model, layers, dequantizer.weight_map(weight_map))
-    reader = _Reader(root, weight_map, fetch, verifier, dequantizer)
+    reader = CheckpointReader(root, weight_map, fetch, verifier, dequantizer)
     params, buffers, named = _checkpoint_named(model)
     unexpected = sorted(set(targets) - set(params) - set(buffers))
     if unexpected:
