@@ -33,12 +33,12 @@ from .inference.policies import ExpertCache
 from .inference.stores import MemoryStore, SafetensorsStore
 from .memory import memory_report
 from .model_io.convert import convert_checkpoint
-from .model_io.rank_local import from_pretrained
 from .model_io.save import save_hybrid_checkpoint
 from .moe.discovery import find_experts_modules, is_fused_experts
 from .moe.experts import register_experts_implementation
 from .parallel.mesh import HybridMesh, build_mesh
 from .parallel.zero import ShardedOptimizer
+from .pretrained import from_pretrained
 
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 
