@@ -249,3 +249,25 @@ def test_checkpoint_files_know_no_model():
                           if names is not None and a.name not in names]
     assert not wrong, wrong
 
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name (or the
+    code moves), so what a module offers the others is what it names publicly."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".") if package else []
+                target = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("hf_hybrid_ep"):
+                target = node.module.removeprefix("hf_hybrid_ep").lstrip(".")
+            else:
+                continue
+            wrong += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports {a.name} from {target or 'hf_hybrid_ep'}"
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__") and target != module]
+    assert not wrong, "\n".join(wrong)

@@ -32,7 +32,7 @@ from ..moe.discovery import expert_parameter_names, find_experts_modules
 from ..moe.router_rules import find_router
 from ..parallel.devices import place_module
 from .policies import ExpertCache
-from .stores import MemoryStore, SafetensorsStore, _make_store
+from .stores import MemoryStore, SafetensorsStore, make_store
 
 STAGING_BUFFERS = 4  # pinned host buffers of one expert each, shared by every layer of an offloaded model
 _ALIGN = 64  # bytes: each tensor of an expert starts at this alignment in its staging buffer
@@ -262,7 +262,7 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "meta":
         raise HybridEPConfigError("offload needs a compute device for a model built on the meta device (device=...)")
-    store = _make_store(store)
+    store = make_store(store)
     if isinstance(store, MemoryStore) and any(p.is_meta for _, m in found for p in m.parameters(recurse=False)):
         raise HybridEPConfigError("the model's experts are on the meta device: give a checkpoint store (store=path)")
     store.bind(model, [(name, m, expert_parameter_names(name, m)) for name, m in found])
@@ -292,7 +292,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
     from ..checkpoint.reader import CheckpointReader
-    from ..model_io.rank_local import _assemble, rank_local_targets
+    from ..model_io.rank_local import assemble, tensor_recipes
     from ..moe.architecture import build_meta_model, read_config
 
     root = Path(path)
@@ -307,10 +307,10 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     with torch.no_grad():
-        for name, target in sorted(rank_local_targets(model, [], weight_map).items()):
+        for name, target in sorted(tensor_recipes(model, [], weight_map).items()):
             if name in experts or (name not in params and name not in buffers):
                 continue
-            value = _assemble(name, target, reader, model)
+            value = assemble(name, target, reader, model)
             if name in buffers:
                 buffers[name].copy_(value.to(buffers[name].dtype))
                 continue

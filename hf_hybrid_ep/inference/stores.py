@@ -51,10 +51,10 @@ class SafetensorsStore:
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
         from ..checkpoint.reader import CheckpointReader
-        from ..model_io.rank_local import rank_local_targets
+        from ..model_io.rank_local import tensor_recipes
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
-        self.targets = rank_local_targets(model, views, self.weight_map)
+        self.targets = tensor_recipes(model, views, self.weight_map)
         self.model, self.reader = model, CheckpointReader(self.root, self.weight_map, verifier=self.verifier)
         self.param_names = {name: param_names for name, _, param_names in layers}
         for name, module, param_names in layers:  # a checkpoint of another model fails here, naming the key
@@ -70,7 +70,7 @@ class SafetensorsStore:
                     )
 
     def expert(self, layer: str, expert: int) -> dict[str, torch.Tensor]:
-        from ..model_io.rank_local import _assemble, _Target
+        from ..model_io.rank_local import assemble
 
         out = {}
         for p in self.param_names[layer]:
@@ -81,13 +81,13 @@ class SafetensorsStore:
                     raise HybridEPConfigError(f"expert store {str(self.root)!r}: {key} is not an expert tensor")
                 value = self.reader.rows(target.direct, [expert])
             else:
-                one = _Target(target.converter, {pat: [keys[expert]] for pat, keys in target.sources.items()})
-                value = _assemble(key, one, self.reader, self.model)
+                value = assemble(key, target.for_slot(expert), self.reader, self.model)  # every expert held: slot = id
             out[p] = value[0]
         return out
 
 
-def _make_store(store) -> MemoryStore | SafetensorsStore:
+def make_store(store) -> MemoryStore | SafetensorsStore:
+    """The store ``offload(store=...)`` names: ``None`` / ``"memory"``, a store, or a checkpoint directory."""
     if store is None or store == "memory":
         return MemoryStore()
     if isinstance(store, MemoryStore | SafetensorsStore):

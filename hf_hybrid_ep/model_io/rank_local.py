@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Target:
+class TensorRecipe:
     """How one model tensor is assembled from checkpoint keys."""
 
     converter: object | None = None
@@ -48,13 +48,17 @@ class _Target:
     direct: str | None = None  # a key loaded as is
     rows: list[int] | None = None  # fused expert tensor: the global expert rows this rank reads
 
+    def for_slot(self, slot: int) -> TensorRecipe:
+        """The recipe of the one expert in local slot ``slot`` of a converter's per-expert keys."""
+        return TensorRecipe(self.converter, {pattern: [keys[slot]] for pattern, keys in self.sources.items()})
+
 
 def _transformers_model(model: nn.Module) -> nn.Module:
     """The transformers model itself (inside a ``PeftModel``, the model PEFT wrapped)."""
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, _Target]:
+def tensor_recipes(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, TensorRecipe]:
     """Map every model tensor this rank needs to the checkpoint keys it is made of (tensor names as the
     checkpoint's model has them: inside a ``PeftModel``, without PEFT's wrappers)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -63,7 +67,7 @@ def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_ma
     model = _transformers_model(model)
     converters = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
     by_module = {unwrapped_name(layer.name): layer for layer in layers}
-    targets: dict[str, _Target] = defaultdict(_Target)
+    targets: dict[str, TensorRecipe] = defaultdict(TensorRecipe)
     for key, (name, pattern) in sorted(model_tensor_names(model, weight_map).items()):
         module_name, _, param = name.rpartition(".")
         layer = by_module.get(module_name)
@@ -88,7 +92,9 @@ def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_ma
     return dict(targets)
 
 
-def _assemble(name: str, target: _Target, reader: CheckpointReader, model: nn.Module) -> torch.Tensor:
+def assemble(name: str, target: TensorRecipe, reader: CheckpointReader, model: nn.Module) -> torch.Tensor:
+    """Model tensor ``name`` of ``model`` (a transformers model) read by ``reader`` as ``target`` says: a key as it
+    is, this rank's rows of a fused tensor, or the keys a converter of the model's conversion mapping combines."""
     if target.converter is None:
         if target.rows is not None:
             return reader.rows(target.direct, target.rows)
@@ -149,7 +155,7 @@ def load_rank_local_(
     verifier = verifier or open_checkpoint(root, local=fetch is None)
     weight_map = read_weight_map(root)
     dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
-    targets = rank_local_targets(model, layers, dequantizer.weight_map(weight_map))
+    targets = tensor_recipes(model, layers, dequantizer.weight_map(weight_map))
     reader = CheckpointReader(root, weight_map, fetch, verifier, dequantizer)
     params, buffers, named = _checkpoint_named(model)
     unexpected = sorted(set(targets) - set(params) - set(buffers))
@@ -159,7 +165,7 @@ def load_rank_local_(
         for name, target in sorted(targets.items()):
             if name not in params and name not in buffers:
                 continue
-            value = _assemble(name, target, reader, _transformers_model(model))
+            value = assemble(name, target, reader, _transformers_model(model))
             current = params.get(name, buffers.get(name))
             if tuple(value.shape) != tuple(current.shape):
                 raise CheckpointError(

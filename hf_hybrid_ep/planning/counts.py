@@ -216,7 +216,9 @@ def _lora_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int, recipe_bytes:
     return {"params": held, "weight_bytes": held * w, "grad_bytes": adapters * g, "optimizer_bytes": state * o}
 
 
-def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
+def activation_bytes(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
+    """Activation bytes of ``batch`` sequences of ``seq`` tokens through every layer (in bf16): ``(kept for backward,
+    with activation checkpointing)``."""
     attention = batch * seq * 10 * m.hidden
     moe = attention + batch * seq * m.top_k * (2 * m.hidden + 6 * m.expert_width) + 4 * batch * seq * m.num_experts
     dense = batch * seq * 34 * m.hidden
@@ -226,19 +228,19 @@ def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
     return full, checkpointed
 
 
-def _ranks_per(topo: Topology, ranks: list[int]) -> tuple[int, int, int, int]:
+def ranks_per_level(topo: Topology, ranks: list[int]) -> tuple[int, int, int, int]:
     """(ranks on one node, ranks in one rack, nodes, racks) of a group of global ranks (uniform groups)."""
     nodes = {topo.node_of(r) for r in ranks}
     racks = {topo.rack_of(r) for r in ranks}
     return len(ranks) // len(nodes), len(ranks) // len(racks), len(nodes), len(racks)
 
 
-def _allreduce_split(topo: Topology, ranks: list[int], size: float) -> dict[str, float]:
+def allreduce_split(topo: Topology, ranks: list[int], size: float) -> dict[str, float]:
     """Per-GPU bytes of a hierarchical all-reduce of ``size`` bytes over ``ranks``, by link level."""
     out = {"intra_node": 0.0, "inter_node": 0.0, "cross_rack": 0.0}
     if len(ranks) < 2:
         return out
-    g, _, nodes, racks = _ranks_per(topo, ranks)
+    g, _, nodes, racks = ranks_per_level(topo, ranks)
     out["intra_node"] = 2 * (g - 1) / g * size
     if nodes > 1:
         out["cross_rack" if racks > 1 else "inter_node"] = 2 * (nodes - 1) / nodes * size / g
