@@ -292,7 +292,7 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
     from ..checkpoint.reader import CheckpointReader
-    from ..model_io.rank_local import assemble, tensor_recipes
+    from ..model_io.rank_local import fill_tensors_, tensor_recipes
     from ..moe.architecture import build_meta_model, read_config
 
     root = Path(path)
@@ -302,24 +302,10 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     model = build_meta_model(read_config(root, trust_remote_code), trust_remote_code)
     offload(model, capacity, policy, device=device, store=store, prefetch=prefetch)
     experts = {f"{layer.name}.{p}" for layer in offload_state_of(model) for p in layer.param_names}
-    weight_map = store.weight_map
-    reader = CheckpointReader(root, weight_map, verifier=store.verifier)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, target in sorted(tensor_recipes(model, [], weight_map).items()):
-            if name in experts or (name not in params and name not in buffers):
-                continue
-            value = assemble(name, target, reader, model)
-            if name in buffers:
-                buffers[name].copy_(value.to(buffers[name].dtype))
-                continue
-            module_name, _, leaf = name.rpartition(".")
-            current = params[name]
-            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(
-                value.to(device, current.dtype), requires_grad=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    reader = CheckpointReader(root, store.weight_map, verifier=store.verifier)
+    model.requires_grad_(False)  # inference: the parameters filled in get no gradient
+    fill_tensors_(model, tensor_recipes(model, [], store.weight_map), reader, skip=experts, device=device,
+                  keep_model_dtypes=True)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise HybridEPConfigError(f"checkpoint {str(root)!r} lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")

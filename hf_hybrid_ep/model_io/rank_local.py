@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +131,52 @@ def _checkpoint_named(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[s
     return params, buffers, named
 
 
+def fill_tensors_(model: nn.Module, recipes: dict[str, TensorRecipe], reader: CheckpointReader, *,
+                  skip: Collection[str] = (), device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None, keep_model_dtypes: bool = False) -> None:
+    """Fill ``model``'s parameters and buffers from ``reader`` one tensor at a time, each as its recipe says (names
+    as the checkpoint's model has them: inside a ``PeftModel``, without PEFT's wrappers), all but those in
+    ``skip``: meta parameters are replaced (on ``device``, default the CPU; floating-point tensors in ``dtype``,
+    default the checkpoint's, or with ``keep_model_dtypes`` in the dtype the model gave each parameter), live
+    ones (a resume) and buffers are copied into in place; then the model's tied weights are tied again. Recipes
+    of tensors the model lacks are logged and not read.
+
+    Raises:
+        CheckpointError: naming a tensor whose shape in the checkpoint is not the model's, before it is placed.
+    """
+    params, buffers, named = _checkpoint_named(model)
+    unexpected = sorted(set(recipes) - set(params) - set(buffers))
+    if unexpected:
+        logger.warning("checkpoint tensors with no model parameter (ignored): %s", unexpected[:10])
+    with torch.no_grad():
+        for name, target in sorted(recipes.items()):
+            if name in skip or (name not in params and name not in buffers):
+                continue
+            value = assemble(name, target, reader, _transformers_model(model))
+            current = params.get(name, buffers.get(name))
+            if tuple(value.shape) != tuple(current.shape):
+                raise CheckpointError(
+                    f"checkpoint tensor for {name!r} has shape {tuple(value.shape)}, the model expects "
+                    f"{tuple(current.shape)}"
+                )
+            if name in buffers:
+                buffers[name].copy_(value.to(buffers[name].dtype))
+                continue
+            if not current.is_meta:  # loading into a live model (resume): keep the parameter objects
+                current.data.copy_(value.to(current.dtype))
+                continue
+            if keep_model_dtypes:
+                value = value.to(current.dtype)
+            elif dtype is not None and value.dtype.is_floating_point:
+                value = value.to(dtype)
+            module_name, _, leaf = named[name].rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[leaf] = nn.Parameter(value.to(device) if device is not None else value,
+                                                    requires_grad=current.requires_grad)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
 def load_rank_local_(
     root: Path,
     model: nn.Module,
@@ -155,37 +201,9 @@ def load_rank_local_(
     verifier = verifier or open_checkpoint(root, local=fetch is None)
     weight_map = read_weight_map(root)
     dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
-    targets = tensor_recipes(model, layers, dequantizer.weight_map(weight_map))
+    recipes = tensor_recipes(model, layers, dequantizer.weight_map(weight_map))
     reader = CheckpointReader(root, weight_map, fetch, verifier, dequantizer)
-    params, buffers, named = _checkpoint_named(model)
-    unexpected = sorted(set(targets) - set(params) - set(buffers))
-    if unexpected:
-        logger.warning("checkpoint tensors with no model parameter (ignored): %s", unexpected[:10])
-    with torch.no_grad():
-        for name, target in sorted(targets.items()):
-            if name not in params and name not in buffers:
-                continue
-            value = assemble(name, target, reader, _transformers_model(model))
-            current = params.get(name, buffers.get(name))
-            if tuple(value.shape) != tuple(current.shape):
-                raise CheckpointError(
-                    f"checkpoint tensor for {name!r} has shape {tuple(value.shape)}, the model expects "
-                    f"{tuple(current.shape)}"
-                )
-            if name in buffers:
-                buffers[name].copy_(value.to(buffers[name].dtype))
-                continue
-            if not current.is_meta:  # loading into a live model (resume): keep the parameter objects
-                current.data.copy_(value.to(current.dtype))
-                continue
-            if dtype is not None and value.dtype.is_floating_point:
-                value = value.to(dtype)
-            module_name, _, leaf = named[name].rpartition(".")
-            module = model.get_submodule(module_name)
-            module._parameters[leaf] = nn.Parameter(value.to(device) if device is not None else value,
-                                                    requires_grad=current.requires_grad)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    fill_tensors_(model, recipes, reader, device=device, dtype=dtype)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
