@@ -1,0 +1,5 @@
+"""Frozen weights kept in their quantized checkpoint form (block-FP8, MXFP4) and the projections that
+dequantize them just in time: the arithmetic (:mod:`.formats`), the in-memory holders (:mod:`.weights`),
+the grouped expert projection and the PEFT-wrappable dense ``FP8Linear`` (:mod:`.linear`). Model-free: it
+knows tensors and ``nn.Module``\\ s, not the model, process groups or checkpoint files.
+"""
