@@ -188,6 +188,16 @@ def test_grouped_linear_equals_the_dense_grouped_gemm(fmt, dtype, group):
     assert list(held.parameters()) == []
 
 
+def test_grouped_linear_refuses_rows_that_do_not_fit():
+    held, _ = _holder("fp8", torch.float32)
+    x = torch.randn(6, 32)
+    cases = [(x.double(), [2, 2, 4, 6], "float64"), (x[:, :16], [2, 2, 4, 6], r"need \[P, 32\]"),
+             (x, [2, 2, 4], "of 4 experts"), (x, [2, 1, 4, 6], "non-decreasing"), (x, [2, 2, 4, 7], "row 7 of 6")]
+    for rows, offsets, message in cases:
+        with pytest.raises(ValueError, match=message):
+            grouped_linear(rows, held, offsets)
+
+
 def _experts_case(family: str):
     """A tiny model's experts module, its weights quantized: the module with the dequantized weights, the
     module with stand-ins where the weights are held quantized, and the holders."""
@@ -435,6 +445,7 @@ def test_fp8_linear_state_dict_dtype_and_autocast():
     assert linear.quantized.scale_inv.dtype == torch.float32 and linear.weight.dtype == torch.bfloat16
     plain.to(torch.bfloat16)
     assert _same_bits(linear.quantized.dequantize(), reference_fp8(q, s, (16, 16), torch.bfloat16))
+    assert _same_bits(linear.dequantized().weight.detach(), plain.weight.detach())
     torch.testing.assert_close(linear(x.bfloat16()), plain(x.bfloat16()), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="proj.weight: input torch.float32"):
         linear(x)
