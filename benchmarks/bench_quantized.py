@@ -11,8 +11,9 @@ the same adapters:
   dequantized one group at a time in the forward and again in the backward (:func:`grouped_linear`).
 
 The outputs and the gradients (rows, adapter factors) are compared first; then interleaved rounds give the
-step-time ratio quantized / dequantized, the dequantization's share of the quantized step (the same
-dequantizations timed alone: every expert of both projections, twice) and the bytes each base holds.
+step-time ratio quantized / dequantized (the median of the rounds' ratios: the two runs of a round are adjacent,
+so load drifts hit them alike), the dequantization's share of the quantized step (the same dequantizations timed
+alone: every expert of both projections, twice) and the bytes each base holds.
 The quantized values are random codes and scales: the timing does not depend on them.
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_quantized --json benchmarks/results/bench_quantized.json
@@ -204,8 +205,10 @@ def run_case(fmt: str, args: argparse.Namespace, rows_per_expert: int) -> dict:
             _dequantize_all(case["quantized"], 1)
         times["dequantize_only"].append((time.perf_counter() - start) / args.iters)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    paired = [q / d for q, d in zip(times["quantized"], times["dequantized"], strict=True)]
     return {"format": fmt, "rows_per_expert": rows_per_expert, "rows": int(case["sizes"].sum()), **parity,
-            "ms": ms, "ratio_quantized_vs_dequantized": ms["quantized"] / ms["dequantized"],
+            "ms": ms, "ratio_quantized_vs_dequantized": statistics.median(paired),
+            "ratio_range": [min(paired), max(paired)],
             "dequantize_share_of_quantized": ms["dequantize_only"] / ms["quantized"], "bytes": case["bytes"]}
 
 
@@ -218,8 +221,8 @@ def main() -> None:
     parser.add_argument("--rows-per-expert", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=2, help="forward+backward passes per round")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--iters", type=int, default=1, help="forward+backward passes per round")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args()
     torch.manual_seed(0)

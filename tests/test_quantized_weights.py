@@ -258,6 +258,18 @@ def test_expert_compute_over_quantized_weights_equals_the_dequantized_experts(fa
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_the_quantized_benchmark_compares_equal_steps(fmt):
+    import argparse
+
+    from benchmarks.bench_quantized import run_case
+
+    args = argparse.Namespace(experts=2, hidden=64, intermediate=64, r=2, dtype="float32", rounds=1, iters=1)
+    case = run_case(fmt, args, rows_per_expert=8)
+    assert max(case["output_rel"], case["row_grad_rel"], case["max_factor_grad_rel"]) < 1e-6  # 0 on this CPU
+    assert case["bytes"]["quantized"] < case["bytes"]["bf16"] < case["bytes"]["dequantized"]
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensors allocated under the mode and still alive, and their peak (storages counted once; views
     and outputs sharing an input's storage are not allocations)."""

@@ -87,7 +87,8 @@ class QuantizedWeight(nn.Module):
         if dtype == torch.float32:
             return self.dequantized_nbytes(experts, torch.float32) + self._temporaries_nbytes(experts, self._rows)
         chunk = min(self._chunk_rows(), self._rows)
-        return self.dequantized_nbytes(experts, dtype) + chunk * self._row_values * 4 + self._temporaries_nbytes(1, chunk)
+        chunk_nbytes = chunk * self._row_values * 4 + self._temporaries_nbytes(1, chunk)
+        return self.dequantized_nbytes(experts, dtype) + chunk_nbytes
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole weight ``shape``, in ``dtype`` (default :attr:`dtype`)."""
