@@ -445,6 +445,12 @@ def test_fp8_linear_state_dict_dtype_and_autocast():
     fresh.load_state_dict(state)
     x = torch.randn(3, 5, 24, generator=g)
     torch.testing.assert_close(fresh.float()(x), linear(x), rtol=0, atol=0)
+    meta = FP8Linear(BlockFP8Weight(torch.empty(40, 24, dtype=E4M3, device="meta"), torch.empty(3, 2, device="meta"),
+                                    (16, 16), torch.float32), nn.Parameter(torch.empty(40, device="meta")))
+    assert meta.weight.is_meta
+    meta.load_state_dict(state, assign=True)  # a model built on the meta device takes the checkpoint's tensors
+    assert meta.quantized.data.data_ptr() == q.data_ptr() and not meta.weight.is_meta
+    torch.testing.assert_close(meta(x), linear(x), rtol=0, atol=0)
     plain = nn.Linear(24, 40)
     with torch.no_grad():
         plain.weight.copy_(reference_fp8(q, s, (16, 16), torch.float32))
