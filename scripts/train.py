@@ -274,11 +274,23 @@ def main(argv: list[str]) -> None:
         ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}
     )
     plugin.apply_to(training_args, explicit=explicit_flags(argv))
-    hold_output_dir(training_args.output_dir)  # before the demo tokenizer or anything else is written there
-    # resuming adapters: the checkpoint's adapter config, which the flags and the peft: section must not contradict
-    lora = plugin.lora_config(lora_args.overrides(),
-                              resume_target(training_args.resume_from_checkpoint, training_args.output_dir))
+    lease = hold_output_dir(training_args.output_dir)  # before the demo tokenizer or anything else is written there
+    try:
+        # resuming adapters: the checkpoint's adapter config, which the flags and the peft: section must not contradict
+        lora = plugin.lora_config(lora_args.overrides(),
+                                  resume_target(training_args.resume_from_checkpoint, training_args.output_dir))
+        _train(model_args, data_args, ep_args, training_args, plugin, lora)
+    finally:
+        if lease is not None:  # main() returns (or raises) before the process exits when a caller runs it in-process
+            lease.release()
+    if dist.is_initialized() and started_here:
+        dist.barrier()
+        dist.destroy_process_group()  # gloo aborts at exit otherwise
 
+
+def _train(model_args: ModelArguments, data_args: DataArguments, ep_args: HybridEPArguments,
+           training_args: TrainingArguments, plugin: HybridEPPlugin, lora) -> None:
+    """Read the data, build the model and train it (the run's lease held)."""
     if data_args.dataset_name:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")
     elif data_args.train_file:
@@ -316,9 +328,6 @@ def main(argv: list[str]) -> None:
     )
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # a path, or "latest"
     summary(trainer, result.metrics, model, data_args.block_size)
-    if dist.is_initialized() and started_here:
-        dist.barrier()
-        dist.destroy_process_group()  # gloo aborts at exit otherwise
 
 
 if __name__ == "__main__":
