@@ -124,6 +124,48 @@ def test_a_collective_waited_for_later_is_named_wherever_the_host_waits():
     assert "this rank's main thread is outside the package's collectives" in reports[3], reports[3]
 
 
+def test_only_ranks_that_stopped_or_run_elsewhere_did_not_arrive():
+    """Two snapshots of the positions, an interval apart, around rank 0's all-reduce over the world (its 5th
+    collective there): rank 1 waits in it too, rank 2 stopped (its beat did not move), rank 3 waits in the counts
+    exchange with rank 2 (behind on the world, but waiting for someone), rank 4 ended by its own watchdog. Only rank
+    2 is named; with rank 2 running elsewhere instead, it is named as running, still before it."""
+    from hf_hybrid_ep.parallel.positions import diagnose
+
+    world = (0, 1, 2, 3, 4)
+
+    def position(beat, counts, within=None, ended=None):
+        return {"beat": beat, "at": time.time(), "host": "h", "pid": 7, "in": within, "pending": None,
+                "idle_s": 1.0, "last": "x", "counts": {"0,1,2,3,4": counts}, "region": None, "ended": ended}
+
+    norm = ["all_reduce of the global gradient norm", list(world), 5]
+    first = {1: position(3, 5, norm), 2: position(9, 4), 3: position(4, 4, ["all_to_all (counts)", [2, 3], 8]),
+             4: position(2, 5, norm)}
+    second = {**first, 1: position(5, 5, norm), 3: position(6, 4, first[3]["in"]), 4: position(3, 5, norm, "hang")}
+    text = diagnose([1, 2, 3, 4], world, 5, first, second)
+    assert text.startswith("; did not arrive: rank(s) [2] (no heartbeat: stopped, dead or hung outside Python)\n"), text
+    assert "rank 3: has not reached it; waiting in all_to_all (counts)" in text and "rank 4: its watchdog ended" in text
+    second[2] = position(11, 4)
+    text = diagnose([1, 2, 3, 4], world, 5, first, second)
+    assert text.startswith("; did not arrive: rank(s) [2] (running, still before it)\n"), text
+
+
+def test_nccl_settings_are_defaults_and_its_groups_time_out_after_the_package(monkeypatch):
+    from datetime import timedelta
+
+    from hf_hybrid_ep.parallel import nccl
+
+    for name in (*nccl.ENV_DEFAULTS, "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    nccl.set_env_defaults()
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ  # its newer name is set: the user's size holds
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    minute = timedelta(seconds=60)
+    assert nccl.group_timeout(minute, "cuda") == minute + timedelta(seconds=nccl.GRACE_S) and nccl.GRACE_S > 0
+    assert nccl.group_timeout(minute, "cpu") == minute and nccl.group_timeout(None, "cuda") is None
+
+
 def _train_args(out: Path, text: Path, *extra: str) -> list[str]:
     return ["--train_file", str(text), "--output_dir", str(out), "--max_steps", "40", "--save_steps", "10",
             "--logging_steps", "1", "--block_size", "32", "--per_device_train_batch_size", "2", "--report_to", "none",

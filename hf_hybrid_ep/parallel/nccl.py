@@ -87,15 +87,15 @@ def _ranks_by_name() -> dict[str, list[int]]:
 def oldest_incomplete(trace: dict | None) -> str:
     """The flight recorder's oldest collective not completed on this rank, in words (``""``: none). It names
     collectives the package does not issue (DDP's) too."""
-    entry = next((e for e in (trace or {}).get("entries", []) if e.get("state") != "completed" and not e.get("retired")),
-                 None)
+    entries = (trace or {}).get("entries", [])
+    entry = next((e for e in entries if e.get("state") != "completed" and not e.get("retired")), None)
     if entry is None:
         return ""
     name, desc = entry.get("process_group", ("?", "?"))
     ranks = _ranks_by_name().get(name, "?")
     return (f"flight recorder: oldest collective not completed on this rank: {entry.get('profiling_name')} "
-            f"#{entry.get('collective_seq_id')} of process group {name} ({desc}, ranks {ranks}), {entry.get('state')}, "
-            f"sizes {entry.get('input_sizes')}")
+            f"#{entry.get('collective_seq_id')} of process group {name} ({desc}, ranks {ranks}), "
+            f"{entry.get('state')}, sizes {entry.get('input_sizes')}")
 
 
 def flight_recorder_line() -> str:
@@ -116,16 +116,17 @@ def dump_path(rank: int) -> Path:
 def dump(rank: int) -> str:
     """Under NCCL: write this rank's flight recorder where NCCL's watchdog would and say where (``""``
     otherwise), so that ``torchfrtrace DIR`` can match every rank's collectives."""
-    if not runs_nccl():
-        return ""
     reader = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    if reader is None or not runs_nccl():
+        return ""
     try:
         path = dump_path(rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(reader())
     except Exception as err:  # noqa: BLE001 - a diagnostic: never in the way of ending the process
         return f"flight recorder not written ({type(err).__name__}: {err})"
-    return f"flight recorder written to {path} (every rank's: torchfrtrace {path.parent} -p {path.name[:-len(str(rank))]})"
+    prefix = path.name[: -len(str(rank))]
+    return f"flight recorder written to {path} (every rank's, matched: torchfrtrace {path.parent} -p {prefix})"
 
 
 def abort() -> None:
@@ -133,6 +134,7 @@ def abort() -> None:
     :data:`ABORT_S`."""
     if not (dist.is_initialized() and runs_nccl()):
         return
+
     def run() -> None:
         with contextlib.suppress(Exception):  # aborting is the last thing this process does: nothing to report
             dist.distributed_c10d._abort_process_group()

@@ -131,20 +131,21 @@ class Watchdog:
         self.stack.append((what, ranks, seq))
         self.progress = time.monotonic()
 
-    def leave(self, error: BaseException | None, since: float | None = None) -> None:
+    def leave(self, error: BaseException | None, since: float | None = None, complete: bool = True) -> None:
         """Leave the innermost section; ``since``: put its collective in flight, from then on, until the work
-        queued on the current stream so far has run (a blocking collective under NCCL)."""
+        queued on the current stream so far has run (a blocking collective under NCCL); ``complete``: its
+        collective is complete (the last one completed here)."""
         what, ranks, seq = self.stack[-1]
         if error is not None and seq and not isinstance(error, KeyboardInterrupt):
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             self.end(f"{what} over {describe(ranks, self.world)} failed on rank {self.rank}: "
                      f"{type(error).__name__}: {first}", ranks, seq)
         self.stack.pop()
-        if seq:
+        if seq and since is not None and error is None and torch.accelerator.is_available():
+            event = torch.accelerator.current_stream().record_event()
+            self.put(event, InFlight(what, ranks, seq, since, event.query))
+        elif seq and complete:
             self.last_done = f"{what} over {describe(ranks, self.world)}"
-            if since is not None and error is None and torch.accelerator.is_available():
-                event = torch.accelerator.current_stream().record_event()
-                self.put(event, InFlight(what, ranks, seq, since, event.query))
         self.progress = time.monotonic()
 
     def put(self, handle: object, entry: InFlight) -> None:
@@ -152,8 +153,14 @@ class Watchdog:
         with self._lock:
             self.flight[id(handle)] = entry
             while self.flight and _done(next(iter(self.flight.values()))):
-                self.flight.popitem(last=False)
+                self._forget(next(iter(self.flight)))
         self.progress = time.monotonic()
+
+    def _forget(self, key: int) -> None:
+        """Take a completed collective out of flight (the lock held): the last one completed here."""
+        entry = self.flight.pop(key, None)
+        if entry is not None:
+            self.last_done = f"{entry.what} over {describe(entry.ranks, self.world)}"
 
     def entry_of(self, handle: object) -> InFlight | None:
         with self._lock:
@@ -162,16 +169,14 @@ class Watchdog:
     def landed(self, handle: object) -> None:
         """``handle``'s collective is complete: out of flight."""
         with self._lock:
-            self.flight.pop(id(handle), None)
+            self._forget(id(handle))
 
     def oldest_in_flight(self) -> InFlight | None:
-        """The oldest collective in flight not yet complete (those done are forgotten)."""
+        """The oldest collective in flight not yet complete (every one done is forgotten)."""
         with self._lock:
-            for key, entry in list(self.flight.items()):
-                if not _done(entry):
-                    return entry
-                del self.flight[key]
-        return None
+            for key in [k for k, entry in self.flight.items() if _done(entry)]:
+                self._forget(key)
+            return next(iter(self.flight.values()), None)
 
     # ------------------------------------------------------------------ the watchdog thread
     def _run(self) -> None:
@@ -273,8 +278,8 @@ class Watchdog:
         self.ended = what
         self.publish()
         nccl.abort()
-        if self.rank == 0:  # it may host the c10d store: leave the others time to read the positions
-            self._beat_for(self.interval_s)
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # it hosts the c10d store
+            self._beat_for(self.interval_s)  # (a launcher's agent does not): leave the others time to read it
         os._exit(EXIT_CODE)
 
     def stop(self) -> None:
@@ -312,16 +317,21 @@ def _section(what: str, group: dist.ProcessGroup | None, collective: bool, entry
     if watchdog is None:
         yield
         return
-    since, seq = time.monotonic(), None if entry is None else entry.seq
-    ranks = entry.ranks if entry is not None else watchdog.group_ranks(group) if collective else tuple(range(watchdog.world))
-    watchdog.enter(what, ranks, seq if seq is not None else watchdog.count(ranks) if collective else 0)
+    since = time.monotonic()
+    if entry is not None:
+        ranks, seq = entry.ranks, entry.seq
+    else:
+        ranks = watchdog.group_ranks(group) if collective else tuple(range(watchdog.world))
+        seq = watchdog.count(ranks) if collective else 0
+    watchdog.enter(what, ranks, seq)
     try:
         yield
     except BaseException as err:
         watchdog.leave(err)
         raise
-    blocking = collective and seq is None and not watchdog.blocks_host(group)
-    watchdog.leave(None, since if blocking else None)
+    host = watchdog.blocks_host(group)  # gloo: the collective is complete when the call returns
+    in_flight = collective and entry is None and not host
+    watchdog.leave(None, since if in_flight else None, complete=host or entry is None)
 
 
 def watched(what: str, group: dist.ProcessGroup | None = None) -> contextlib.AbstractContextManager[None]:
