@@ -124,8 +124,9 @@ class Watchdog:
 
     def count(self, ranks: tuple[int, ...]) -> int:
         """Count one more collective entered on the group ``ranks``; its sequence number there."""
-        self.counts[ranks] = self.counts.get(ranks, 0) + 1
-        return self.counts[ranks]
+        with self._lock:  # the watchdog thread copies the counts
+            self.counts[ranks] = self.counts.get(ranks, 0) + 1
+            return self.counts[ranks]
 
     def enter(self, what: str, ranks: tuple[int, ...], seq: int) -> None:
         self.stack.append((what, ranks, seq))
@@ -223,12 +224,14 @@ class Watchdog:
         stack = list(self.stack)
         current = next((s for s in reversed(stack) if s[2]), None)
         oldest = self.oldest_in_flight()
+        with self._lock:
+            counts = {group_key(r): n for r, n in self.counts.items()}
         return {"beat": self.beats, "at": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                 "in": None if current is None else [current[0], list(current[1]), current[2]],
                 "pending": None if oldest is None else [oldest.what, list(oldest.ranks), oldest.seq,
                                                         round(time.monotonic() - oldest.since, 1)],
                 "region": stack[0][0] if stack else None, "idle_s": round(time.monotonic() - self.progress, 1),
-                "last": self.last_done, "counts": {group_key(r): n for r, n in self.counts.items()},
+                "last": self.last_done, "counts": counts,
                 "ending": self.ending, "ended": self.ended}
 
     def publish(self) -> None:
