@@ -54,6 +54,7 @@ from hf_hybrid_ep.integrations.plugin import (
     explicit_flags,
 )
 from hf_hybrid_ep.integrations.resume import resume_target
+from hf_hybrid_ep.parallel.nccl import set_env_defaults as set_nccl_env_defaults
 
 TRAIN_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 ASSETS = Path(__file__).resolve().parent / "demo_assets"
@@ -264,6 +265,7 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available() and not any(a.split("=")[0] == "--use_cpu" for a in argv):
         argv = [*argv, "--use_cpu"]  # decided before TrainingArguments sets up the devices and the process group
     started_here = not dist.is_initialized()
+    set_nccl_env_defaults()  # NCCL's flight recorder and dump on timeout, before TrainingArguments starts the group
     parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, LoraArguments, TrainingArguments))
     model_args, data_args, ep_args, lora_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
