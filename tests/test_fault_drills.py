@@ -104,6 +104,36 @@ def test_a_stopped_rank_is_named_and_every_other_rank_exits():
     assert "step" not in out, "a stopped rank resumes no training"
 
 
+@pytest.mark.slow
+def test_a_stopped_worker_of_torchrun_does_not_hold_the_job_past_the_timeout():
+    """The same stop under torchrun: its agent ends a failed job's workers with SIGTERM, which a stopped worker takes
+    only once continued (the agent would wait out its 30 s grace, then SIGKILL it); the survivor that names it, a
+    worker of the same agent, continues it, so that torchrun exits within the timeout + 30 s of the stop."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    job = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node", "4", str(ROOT / "tests" / "fault_worker.py"),
+                            str(TIMEOUT_S), "100000", "2", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if "stopping" in line:
+                break
+        start = time.monotonic()
+        reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
+        reader.start()
+        job.wait(timeout=TIMEOUT_S + 120)
+        took = time.monotonic() - start
+        reader.join(timeout=10)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    text = "".join(lines)
+    assert job.returncode != 0 and "continued the stopped worker PID" in text, text[-6000:]
+    assert took < TIMEOUT_S + 30, (took, text[-6000:])
+
+
 def test_a_collective_waited_for_later_is_named_wherever_the_host_waits():
     """NCCL's pattern on gloo: every rank launches layer 1's dispatch exchange asynchronously and waits for it
     later; rank 2 stopped before launching it. Ranks 0 and 1 meanwhile wait in another collective of the package

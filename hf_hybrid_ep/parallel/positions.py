@@ -97,19 +97,28 @@ def waits(position: dict) -> bool:
     return bool(position.get("in")) or (pending is not None and pending[3] >= STUCK_S)
 
 
+def silent_ranks(others: list[int], first: dict[int, dict], second: dict[int, dict]) -> list[int]:
+    """The ranks of ``others`` whose heartbeat did not move between the two snapshots (or that never published one),
+    leaving out those their own watchdog ended."""
+    def silent(r: int) -> bool:
+        now, before = second.get(r), first.get(r)
+        return not (now is not None and now.get("ended")) and (now is None or before is None
+                                                               or now["beat"] == before["beat"])
+    return [r for r in others if silent(r)]
+
+
 def diagnose(others: list[int], ranks: tuple[int, ...], seq: int, first: dict[int, dict],
              second: dict[int, dict]) -> str:
     """Which of ``others`` (the other ranks of the group ``ranks``) did not arrive at this rank's collective
     number ``seq`` on the group (0: not a collective), from two snapshots of their positions taken an interval
     apart; the message's tail, one line per rank."""
     key = group_key(ranks)
-    silent, behind, elsewhere, lines = [], [], [], []
+    silent, behind, elsewhere, lines = silent_ranks(others, first, second), [], [], []
     for r in others:
-        now, before = second.get(r), first.get(r)
+        now = second.get(r)
         if now is not None and now.get("ended"):
             lines.append(f"rank {r}: {where(now)}")
-        elif now is None or before is None or now["beat"] == before["beat"]:
-            silent.append(r)
+        elif r in silent:
             seen = ("never published a position" if now is None else
                     f"last seen {time.time() - now['at']:.0f} s ago: {where(now)}")
             lines.append(f"rank {r} (host {now['host'] if now else '?'}, PID {now['pid'] if now else '?'}): "

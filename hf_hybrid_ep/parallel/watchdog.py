@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -39,13 +40,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import nccl
-from .positions import Board, describe, diagnose, group_key
+from .positions import Board, describe, diagnose, group_key, silent_ranks
 
 EXIT_CODE = 124  # what ``timeout(1)`` exits with: the run ended because a collective did not complete
 
@@ -90,6 +92,7 @@ class Watchdog:
         self.beats = 0
         self.ending: str | None = None  # what this rank's watchdog is ending it for (published)
         self.ended: str | None = None  # the same, once its message is out
+        self.silent: list[dict] = []  # the positions of the ranks whose heartbeat stopped, once looked at
         self._ranks: dict[int, tuple[int, ...]] = {}
         self._blocks: dict[int, bool] = {}
         self._lock = threading.Lock()
@@ -259,6 +262,7 @@ class Watchdog:
         second = self.board.read(others)
         if isinstance(second, str):
             return f"; the other ranks' positions are unknown: {second}"
+        self.silent = [second[r] for r in silent_ranks(others, first, second) if r in second]
         return diagnose(others, ranks, seq, first, second)
 
     def end(self, what: str, ranks: tuple[int, ...], seq: int) -> None:
@@ -276,6 +280,7 @@ class Watchdog:
             message += "".join(f"\n{line}" for line in (nccl.flight_recorder_line(), nccl.dump(self.rank)) if line)
         except Exception as err:  # noqa: BLE001 - the message must go out whatever failed while composing it
             message = f"hf_hybrid_ep watchdog, rank {self.rank}: {what} ({type(err).__name__} while naming peers)"
+        message += "".join(f"\n{line}" for line in map(continue_stopped_worker, self.silent) if line)
         sys.stderr.write(f"{message}\nending this process with exit code {EXIT_CODE}\n")
         sys.stderr.flush()
         self.ended = what
@@ -287,6 +292,26 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def continue_stopped_worker(position: dict) -> str | None:
+    """``SIGCONT`` the rank of ``position`` when it is a worker of this process's own torchrun agent (the same
+    parent, on this host) stopped by a signal; the line that says so, else ``None``.
+
+    The agent ends a failed job's workers with SIGTERM, and a stopped worker takes it only once continued: the agent
+    waits out its 30 s shutdown grace, then SIGKILLs it. Continued, it takes the pending SIGTERM, or its own watchdog
+    sees it was suspended past the timeout and ends it, at once (it resumes no training)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or position.get("host") != socket.gethostname():
+        return None
+    pid = position.get("pid")
+    try:
+        state, parent = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:2]
+    except (OSError, ValueError):
+        return None
+    if state != "T" or int(parent) != os.getppid():
+        return None
+    os.kill(int(pid), signal.SIGCONT)
+    return f"continued the stopped worker PID {pid} of this torchrun agent, so that the job ends now"
 
 
 _WATCHDOG: Watchdog | None = None
