@@ -192,7 +192,8 @@ class HybridEPConfig:
 
     Failures (docs/troubleshooting.md, "When things go wrong"):
 
-        collective_timeout_s: seconds a collective may take. Every process group the engine creates gets it, and
+        collective_timeout_s: seconds a collective may take. Every process group the engine creates gets it (under
+            NCCL plus 30 s, and the default group too: NCCL's own watchdog backs the package's), and
             the watchdog (:mod:`hf_hybrid_ep.parallel.watchdog`) ends every surviving rank with one message
             naming the collective, its group's ranks and the ranks that did not arrive when a collective (or a
             Trainer run that holds DDP's) makes no progress for this long. ``None``: the default process group's

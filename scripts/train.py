@@ -54,6 +54,7 @@ from hf_hybrid_ep.integrations.plugin import (
     explicit_flags,
 )
 from hf_hybrid_ep.model_io.resume import resume_target
+from hf_hybrid_ep.parallel.nccl import set_env_defaults as set_nccl_env_defaults
 
 TRAIN_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 ASSETS = Path(__file__).resolve().parent / "demo_assets"
@@ -264,6 +265,7 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available() and not any(a.split("=")[0] == "--use_cpu" for a in argv):
         argv = [*argv, "--use_cpu"]  # decided before TrainingArguments sets up the devices and the process group
     started_here = not dist.is_initialized()
+    set_nccl_env_defaults()  # NCCL's flight recorder and dump on timeout, before TrainingArguments starts the group
     parser = HfArgumentParser((ModelArguments, DataArguments, HybridEPArguments, LoraArguments, TrainingArguments))
     model_args, data_args, ep_args, lora_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     engine_flags = ("dp_degree", "ep_degree", "dispatcher", "router_temperature", "capacity_factor", "drop_policy",
@@ -274,11 +276,23 @@ def main(argv: list[str]) -> None:
         ep_args.hybrid_ep_config, {name: getattr(ep_args, name) for name in engine_flags}
     )
     plugin.apply_to(training_args, explicit=explicit_flags(argv))
-    hold_output_dir(training_args.output_dir)  # before the demo tokenizer or anything else is written there
-    # resuming adapters: the checkpoint's adapter config, which the flags and the peft: section must not contradict
-    lora = plugin.lora_config(lora_args.overrides(),
-                              resume_target(training_args.resume_from_checkpoint, training_args.output_dir))
+    lease = hold_output_dir(training_args.output_dir)  # before the demo tokenizer or anything else is written there
+    try:
+        # resuming adapters: the checkpoint's adapter config, which the flags and the peft: section must not contradict
+        lora = plugin.lora_config(lora_args.overrides(),
+                                  resume_target(training_args.resume_from_checkpoint, training_args.output_dir))
+        _train(model_args, data_args, ep_args, training_args, plugin, lora)
+    finally:
+        if lease is not None:  # main() returns (or raises) before the process exits when a caller runs it in-process
+            lease.release()
+    if dist.is_initialized() and started_here:
+        dist.barrier()
+        dist.destroy_process_group()  # gloo aborts at exit otherwise
 
+
+def _train(model_args: ModelArguments, data_args: DataArguments, ep_args: HybridEPArguments,
+           training_args: TrainingArguments, plugin: HybridEPPlugin, lora) -> None:
+    """Read the data, build the model and train it (the run's lease held)."""
     if data_args.dataset_name:
         raw = load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train")
     elif data_args.train_file:
@@ -316,9 +330,6 @@ def main(argv: list[str]) -> None:
     )
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # a path, or "latest"
     summary(trainer, result.metrics, model, data_args.block_size)
-    if dist.is_initialized() and started_here:
-        dist.barrier()
-        dist.destroy_process_group()  # gloo aborts at exit otherwise
 
 
 if __name__ == "__main__":

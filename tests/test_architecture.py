@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("process groups", ("parallel",)),
     ("token exchange", ("dispatch",)),
     ("placement", ("planning.placement",)),
+    ("quantized weights", ("quant",)),
     ("checkpoint files", ("checkpoint",)),
     ("MoE layer", ("moe",)),
     ("orchestration", ("engine",)),

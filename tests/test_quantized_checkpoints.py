@@ -34,10 +34,10 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
 from hf_hybrid_ep.checkpoint import rewrite as rewrite_module
-from hf_hybrid_ep.checkpoint.dequantize import dequantize_fp8
 from hf_hybrid_ep.checkpoint.inspect import format_summary, inspect_checkpoint
 from hf_hybrid_ep.cli import main as cli
 from hf_hybrid_ep.planning.planner import plan
+from hf_hybrid_ep.quant.formats import dequantize_fp8
 
 BLOCK = (16, 16)
 MTP_KEY = "model.layers.61.eh_proj.weight"  # DeepSeek's multi-token-prediction layer: transformers skips it

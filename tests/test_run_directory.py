@@ -89,7 +89,7 @@ def test_the_start_up_summary_is_shown_once_with_default_settings(trained):
     out, run = trained
     log = _log(run)
     assert log.count("hybrid EP: 2 rank(s) = dp 1 × ep 2 on 1 node(s) of 2 rank(s); an EP group spans 1 node(s)") == 1, log
-    assert "  dispatcher 'auto' -> torch (auto: one node on the CPU" in log
+    assert "  dispatcher 'auto' -> torch (auto: predicted per token and MoE layer" in log
     assert f"  starting fresh (output directory {out})" in log
 
 

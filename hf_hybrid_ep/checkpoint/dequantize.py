@@ -16,6 +16,7 @@ The method comes from ``quantization_config`` in the source's ``config.json``. T
   rounded once to the output dtype, transposed to the model's layout: exactly transformers'
   ``Mxfp4Config(dequantize=True)``.
 
+The arithmetic is :mod:`hf_hybrid_ep.quant.formats` (shared with the weights kept quantized in memory).
 Every other tensor (norms, embeddings, routers, biases, ``modules_to_not_convert``) passes through
 unchanged. Any other method is refused naming it and what to do instead, as is a checkpoint whose
 tensors do not fit the method (naming the tensor).
@@ -32,15 +33,20 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..quant.formats import (
+    E8M0_DTYPES,
+    FP8_SCALE_DTYPES,
+    FP8_WEIGHT_DTYPES,
+    MXFP4_GROUP,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    fp8_scale_grid,
+)
 from .safetensors_io import TensorSpec
 
 DEFAULT_DTYPE = torch.bfloat16
-FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu, torch.uint8)
 FP8_SCALE_SUFFIX = "_scale_inv"
 MXFP4_BLOCKS_SUFFIX, MXFP4_SCALES_SUFFIX = "_blocks", "_scales"
-MXFP4_GROUP = 32
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _POST_TRAINING = ("convert the unquantized model it was made from instead (the base model its card names); "
                   "dequantizing it would train on its rounding error")
@@ -200,8 +206,7 @@ def fp8_spec(tensor: QuantizedTensor, data: TensorSpec, scale: TensorSpec, block
                               "bfloat16, float16 or e8m0 (float8_e8m0fnu or uint8)")
     if len(data.shape) < 2:
         raise CheckpointError(f"{tensor.data}: a block-FP8 weight has at least two dimensions, got {data.shape}")
-    *lead, rows, cols = data.shape
-    grid = (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    grid = fp8_scale_grid(tuple(data.shape), block)
     if tuple(scale.shape) != grid:
         raise CheckpointError(
             f"{tensor.scale}: scale grid {tuple(scale.shape)} does not match the weight {tensor.data!r} "
@@ -219,54 +224,12 @@ def mxfp4_spec(tensor: QuantizedTensor, blocks: TensorSpec, scales: TensorSpec, 
     if blocks.dtype != torch.uint8 or len(blocks.shape) != 4 or blocks.shape[-1] != half:
         raise CheckpointError(f"{tensor.data}: {_name(blocks.dtype)} {tuple(blocks.shape)}; mxfp4 expert blocks are "
                               f"uint8 [experts, rows, groups, {half}]")
-    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu) or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+    if scales.dtype not in E8M0_DTYPES or tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise CheckpointError(f"{tensor.scale}: {_name(scales.dtype)} {tuple(scales.shape)} does not fit the blocks "
                               f"{tensor.data!r} {tuple(blocks.shape)}: mxfp4 scales are uint8 (e8m0) "
                               f"{tuple(blocks.shape[:-1])}")
     experts, rows, groups, _ = blocks.shape
     return TensorSpec(tensor.name, dtype, (experts, groups * MXFP4_GROUP, rows))
-
-
-def e8m0_to_float32(exponents: torch.Tensor) -> torch.Tensor:
-    """``2^(e − 127)`` of e8m0 bytes (uint8 or float8_e8m0fnu) as float32, built from its bits (exact;
-    ``e = 0`` is the subnormal 2^-127, ``e = 255`` gives inf, like transformers' ``ldexp``)."""
-    e = exponents.view(torch.uint8).to(torch.int32)
-    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
-    return bits.view(torch.float32)
-
-
-def _scales_float32(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
-        return e8m0_to_float32(scale)
-    return scale.to(torch.float32)
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``weight [..., R, C]`` (float8) times its block's scale ``scale [..., ceil(R/bm), ceil(C/bn)]``, in
-    float32 (one product per element, edge blocks clipped). Returns float32 ``[..., R, C]``."""
-    bm, bn = block
-    rows, cols = weight.shape[-2:]
-    out = weight.to(torch.float32)
-    per_row = _scales_float32(scale).repeat_interleave(bm, dim=-2)[..., :rows, :]  # [..., R, ceil(C/bn)]
-    full, rest = divmod(cols, bn)
-    out[..., : full * bn].unflatten(-1, (full, bn)).mul_(per_row[..., :full, None])
-    if rest:
-        out[..., full * bn :].mul_(per_row[..., full:])
-    return out
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 ``blocks [E, N, G, 16]`` and e8m0 ``scales [E, N, G]`` as float32 ``[E, 32·G, N]`` (the model's
-    layout: transformers' ``convert_moe_packed_tensors``, transpose included)."""
-    experts, rows, groups, half = blocks.shape
-    values = _BYTE_PAIRS[blocks.to(torch.int32)].reshape(experts, rows, groups, 2 * half)
-    values.mul_(e8m0_to_float32(scales)[..., None])
-    return values.reshape(experts, rows, groups * 2 * half).transpose(1, 2)
-
-
-# byte -> (e2m1 value of its low nibble, of its high nibble): one lookup decodes both values of a byte
-_BYTE_PAIRS = torch.tensor([[FP4_E2M1_VALUES[b & 0x0F], FP4_E2M1_VALUES[b >> 4]] for b in range(256)],
-                           dtype=torch.float32)
 
 
 class Dequantizer:
@@ -378,9 +341,7 @@ def checkpoint_bytes(model: nn.Module, quantization: Quantization | None, expert
             continue
         converted += p.numel() * DEFAULT_DTYPE.itemsize
         if quantization.method == "fp8":
-            *lead, rows, cols = p.shape
-            blocks = math.ceil(rows / quantization.block[0]) * math.ceil(cols / quantization.block[1])
-            source += p.numel() + 4 * math.prod(lead) * blocks
+            source += p.numel() + 4 * math.prod(fp8_scale_grid(tuple(p.shape), quantization.block))
         else:
             source += p.numel() // 2 + p.numel() // MXFP4_GROUP
     return source, converted

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel.watchdog import label, watched
+from ..parallel.watchdog import label, launched, wait, watched
 from .stats import CommStats
 
 
@@ -18,8 +18,7 @@ class PendingExchange:
 
     def wait(self) -> None:
         if self.work is not None:
-            with watched(self.what, self.group):
-                self.work.wait()
+            wait(self.work, self.what, self.group)
             self.work = None
 
 
@@ -38,8 +37,8 @@ def _exchange(
         out.copy_(x)
         return out
     if pending is not None:
-        pending.work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
-                                              async_op=True)
+        pending.work = launched(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
+                                                       async_op=True), what, group)
         pending.what, pending.group = what, group
         return out
     with watched(what, group):
@@ -88,7 +87,7 @@ def all_to_all(
         stats: counters to record into (forward as ``phase``, backward as ``phase + "_backward"``).
         self_index: this rank's index in ``group`` (its rows are not counted as remote traffic).
         pending: an object with a ``work`` attribute: the forward exchange is started asynchronously and
-            its handle stored there; the result is valid only after ``pending.work.wait()``.
+            its handle stored there; the result is valid only after ``pending.wait()``.
 
     Returns:
         ``[sum(recv_splits), ...]``, rows ordered by source rank. Gradients flow back by the reverse exchange.
@@ -133,16 +132,15 @@ class _LaunchExchange(torch.autograd.Function):
         if e.group is None:
             out.copy_(x)
         else:
-            e.work = dist.all_to_all_single(out, x.contiguous(), e.recv_splits, e.send_splits, group=e.group,
-                                            async_op=True)
+            e.work = launched(dist.all_to_all_single(out, x.contiguous(), e.recv_splits, e.send_splits, group=e.group,
+                                                     async_op=True), exchange_name(e.phase, e.layer), e.group)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         e = ctx.exchange  # the gradient of the wait launched the reverse exchange into ``e.backward_out``
         if e.backward_work is not None:
-            with watched(exchange_name(e.phase + ", backward", e.layer), e.group):
-                e.backward_work.wait()
+            wait(e.backward_work, exchange_name(e.phase + ", backward", e.layer), e.group)
         back, e.backward_work, e.backward_out, e.backward_in = e.backward_out, None, None, None
         return back, None
 
@@ -151,8 +149,7 @@ class _WaitExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, exchange):  # type: ignore[override]
         if exchange.work is not None:
-            with watched(exchange_name(exchange.phase, exchange.layer), exchange.group):
-                exchange.work.wait()
+            wait(exchange.work, exchange_name(exchange.phase, exchange.layer), exchange.group)
             exchange.work = None
         ctx.exchange = exchange
         return out.view_as(out)
@@ -168,8 +165,9 @@ class _WaitExchange(torch.autograd.Function):
         if e.group is None:
             back.copy_(grad)
         else:
-            e.backward_work = dist.all_to_all_single(back, e.backward_in, e.send_splits, e.recv_splits,
-                                                     group=e.group, async_op=True)
+            e.backward_work = launched(dist.all_to_all_single(back, e.backward_in, e.send_splits, e.recv_splits,
+                                                              group=e.group, async_op=True),
+                                       exchange_name(e.phase + ", backward", e.layer), e.group)
         return grad, None  # passed through: the launch's gradient returns the exchanged rows
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..parallel.watchdog import label, watched
+from ..parallel.watchdog import label, wait, watched
 from .alltoall import AsyncExchange, all_to_all, all_to_all_async, exchange_name
 from .gathers import CHUNK_BYTES, GatherTokens, picked_rows, row_bytes, row_chunks, weighted_gather
 from .protocol import LocalPairs, Received, SideChannel
@@ -229,8 +229,7 @@ class _LaunchPacked(torch.autograd.Function):
     def backward(ctx, _grad):  # type: ignore[override]
         e = ctx.exchange  # the gradient of the wait launched the reverse exchange
         if e.backward_work is not None:
-            with watched(exchange_name(e.phase + ", backward", e.layer), e.group):
-                e.backward_work.wait()
+            wait(e.backward_work, exchange_name(e.phase + ", backward", e.layer), e.group)
         grad_rows, grad_weights = e.unpack(e.backward_out, with_keys=False)
         e.backward_work = e.backward_out = e.backward_in = None
         return grad_rows, grad_weights, None, None
@@ -240,8 +239,7 @@ class _WaitPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, carrier, exchange):  # type: ignore[override]
         if exchange.work is not None:
-            with watched(exchange_name(exchange.phase, exchange.layer), exchange.group):
-                exchange.work.wait()
+            wait(exchange.work, exchange_name(exchange.phase, exchange.layer), exchange.group)
         rows, weights, keys = exchange.unpack(exchange.out, with_keys=True)
         exchange.work = exchange.out = None
         ctx.exchange, ctx.device = exchange, rows.device

@@ -185,10 +185,11 @@ class TorchDispatcher:
         received = torch.empty_like(message)
         if self.ep_group is None:
             received.copy_(message)
-        else:
+            host = host_ints(torch.cat([counts.reshape(-1), received.reshape(-1)]))
+        else:  # the read waits for the exchange under NCCL: inside the section too
             with watched(exchange_name("counts"), self.ep_group):
                 dist.all_to_all_single(received, message, group=self.ep_group)
-        host = host_ints(torch.cat([counts.reshape(-1), received.reshape(-1)]))
+                host = host_ints(torch.cat([counts.reshape(-1), received.reshape(-1)]))
         counts_host, recv_host = host[: counts.numel()], host[counts.numel() :]
         width = message.shape[1]
         peer_control = self._peer_control(recv_host, width)

@@ -36,7 +36,7 @@ from torch import nn
 from ..dispatch.stats import ShadowCounters
 from ..errors import HybridEPConfigError
 from ..parallel.mesh import HybridMesh, all_gather_flat, current_device
-from ..parallel.watchdog import watched
+from ..parallel.watchdog import launched, wait, watched
 
 EXCHANGES_PER_ROW = 4  # dispatch, combine, dispatch_backward, combine_backward
 
@@ -58,8 +58,7 @@ class LayerShadows:
         """Complete the asynchronous weight exchange (the layer's forward calls this before using them)."""
         for work, _ in self.pending:
             if work is not None:
-                with watched("all_to_all of hot-expert shadow weights"):
-                    work.wait()
+                wait(work, "all_to_all of hot-expert shadow weights")  # over the EP group it was launched on
         self.pending = []
 
     def slot_of(self, device: torch.device) -> torch.Tensor | None:
@@ -198,7 +197,9 @@ class ShadowManager:
             index = torch.tensor(send_slots, dtype=torch.long, device=p.device)
             send = p.detach().index_select(0, index)
             value = p.new_empty((len(wanted), *p.shape[1:]))
-            work = dist.all_to_all_single(value, send, recv_rows, send_rows, group=self.mesh.ep_group, async_op=True)
+            work = launched(dist.all_to_all_single(value, send, recv_rows, send_rows, group=self.mesh.ep_group,
+                                                   async_op=True),
+                            f"all_to_all of hot-expert shadow weights of {layer.name}", self.mesh.ep_group)
             pending.append((work, send))
             shadow_params[name] = nn.Parameter(value, requires_grad=p.requires_grad)
             sent += send.numel() * send.element_size()
@@ -241,12 +242,12 @@ class ShadowManager:
                 shadow = shadows.params[name]
                 send = shadow.grad if shadow.grad is not None else torch.zeros_like(shadow)
                 recv = p.new_empty((len(senders), *p.shape[1:]))
-                work = dist.all_to_all_single(recv, send.to(p.dtype), recv_rows, send_rows, group=self.mesh.ep_group,
-                                              async_op=True)
+                work = launched(dist.all_to_all_single(recv, send.to(p.dtype), recv_rows, send_rows,
+                                                       group=self.mesh.ep_group, async_op=True),
+                                f"all_to_all of shadow gradients of {layer.name}", self.mesh.ep_group)
                 exchanges.append((layer, p, senders, send, recv, work))
         for layer, p, senders, send, recv, work in exchanges:
-            with watched(f"all_to_all of shadow gradients of {layer.name}", self.mesh.ep_group):
-                work.wait()
+            wait(work, f"all_to_all of shadow gradients of {layer.name}", self.mesh.ep_group)
             slot = {e: s for s, e in enumerate(layer.local_experts)}
             if p.grad is not None:
                 for row, e in enumerate(senders):  # in a fixed order: deterministic sums

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from .mesh import HybridMesh, current_device
-from .watchdog import watched
+from .watchdog import launched, waiting
 
 NONFINITE, BAD_INDEX = 1, 2
 CONTROL_INTS = 2  # (input flags, layer id): the control integers of every counts exchange
+_AGREEMENT = "all_reduce of the input agreement"
 
 
 def control_vector(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int,
@@ -77,16 +78,15 @@ class InputAgreement:
             table[self.mesh.rank] = torch.tensor([1, *self.problem], dtype=torch.long)
         self._table = table
         if self.mesh.world_group is not None:  # the reduction group: the token exchange never queues behind it
-            self._work = dist.all_reduce(table, group=self.mesh.reduction_group, async_op=True)
+            self._work = launched(dist.all_reduce(table, group=self.mesh.reduction_group, async_op=True),
+                                  _AGREEMENT, self.mesh.reduction_group)
 
     def finish(self) -> None:
         """Complete the agreement; raise ``FloatingPointError`` on every rank if any rank saw a problem."""
         if self._table is None:
             return
-        if self._work is not None:
-            with watched("all_reduce of the input agreement", self.mesh.reduction_group):
-                self._work.wait()
-        rows = self._table.tolist()
+        with waiting(self._work, _AGREEMENT, self.mesh.reduction_group):  # the read waits under NCCL
+            rows = self._table.tolist()
         self._table, self._work, self.problem, self.degraded = None, None, None, False
         problems = [(rank, flags, layer, mismatch) for rank, (seen, flags, layer, mismatch) in enumerate(rows) if seen]
         if problems:

@@ -33,7 +33,7 @@ from torch import nn
 
 from .buckets import FlatBucket, bucket_of, runs
 from .mesh import HybridMesh, current_device, is_dtensor, reduce_scatter_flat
-from .watchdog import watched
+from .watchdog import launched, wait, watched
 
 
 @dataclass
@@ -322,11 +322,12 @@ class GradientReducer:
                 b.work = reduce_scatter_flat(b.shard_out, b.grad_buffer, group, async_op=async_op)
             else:
                 b.work = dist.all_reduce(b.grad_buffer, group=group, async_op=async_op)
+        if async_op:
+            launched(b.work, self.bucket_name(b), group)
 
     def _finish(self, b: FlatBucket) -> None:
         if b.work is not None:
-            with watched(self.bucket_name(b), self._group_of(b)[0]):
-                b.work.wait()
+            wait(b.work, self.bucket_name(b), self._group_of(b)[0])
         b.work = None
         _, divisor = self._group_of(b)
         if self.sharding is None:

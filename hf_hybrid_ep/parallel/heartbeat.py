@@ -41,7 +41,7 @@ class Heartbeat:
             self.flag.fill_(state)
         with watched("broadcast of rank 0's progress while it writes alone (heartbeat)", self.group):
             dist.broadcast(self.flag, src=0, group=self.group)
-        received = int(self.flag.item())
+            received = int(self.flag.item())  # the read waits for the broadcast under NCCL
         if received == FAILED:
             box = [f"{type(error).__name__}: {error}" if error is not None else "its error says why"]
             with watched("broadcast of rank 0's error while it wrote alone", self.group):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import nccl
 from .topology import EPGroupSpan, Topology, ep_group_span, nodes_spanned, ranks_per_node
 from .watchdog import watched
 
@@ -50,7 +51,13 @@ class HybridMesh:
     # one group's collectives in order, so the token exchange (whose group is the world when ep = W) must not
     # queue behind a bucket in flight.
     reduction_group: dist.ProcessGroup | None = None
-    timeout: timedelta | None = None  # of every group the mesh creates (the run's collective timeout)
+    timeout: timedelta | None = None  # the run's collective timeout (see ``group_timeout``)
+
+    @property
+    def group_timeout(self) -> timedelta | None:
+        """The timeout of every group the mesh creates: :attr:`timeout`, plus ``nccl.GRACE_S`` under NCCL (its
+        watchdog backs the package's, which names the hang first)."""
+        return nccl.group_timeout(self.timeout, self.device_type)
 
     @property
     def world_size(self) -> int:
@@ -121,7 +128,7 @@ class HybridMesh:
             return self.reduction_group
         key = (id(dist.group.WORLD), self.timeout, *ranks)  # a group is reused only at the same timeout
         if key not in _GROUP_CACHE:
-            _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=self.timeout)
+            _GROUP_CACHE[key] = dist.new_group(list(ranks), timeout=self.group_timeout)
         return _GROUP_CACHE[key]
 
 
@@ -173,7 +180,8 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
     """Build (or reuse) the ``("edp", "ep")`` mesh for the current world (``edp``: the ranks holding the
     same experts, ``dp_degree`` of them; ``ep``: one EP group). Every group it creates (the mesh's, the
     reduction group, holder-set groups of :meth:`HybridMesh.group_of`) gets ``timeout`` (``None``: the
-    backend's default).
+    backend's default), under NCCL plus ``nccl.GRACE_S``, and so does the default group under NCCL; NCCL's
+    watchdog and flight recorder get :func:`hf_hybrid_ep.parallel.nccl.set_env_defaults`.
 
     Raises:
         ValueError: if ``dp_degree * ep_degree`` differs from the world size.
@@ -193,9 +201,13 @@ def build_mesh(dp_degree: int, ep_degree: int, device_type: str | None = None,
         return HybridMesh(1, 1, 0, device_type, None, topo, ep_span)
     key = (dp_degree, ep_degree, device_type, id(dist.group.WORLD), topo, timeout)  # a new world gets new groups
     if key not in _MESH_CACHE:
+        nccl.set_env_defaults()  # read by every NCCL group created from here on
+        group_timeout = nccl.group_timeout(timeout, device_type)
+        if group_timeout is not None and device_type == "cuda":
+            nccl.set_world_timeout(group_timeout)
         mesh = init_device_mesh(device_type, (dp_degree, ep_degree), mesh_dim_names=("edp", "ep"),
-                                backend_override=_group_options(device_type, timeout))
-        reduction = dist.new_group(list(range(world)), timeout=timeout)
+                                backend_override=_group_options(device_type, group_timeout))
+        reduction = dist.new_group(list(range(world)), timeout=group_timeout)
         _MESH_CACHE[key] = HybridMesh(dp_degree, ep_degree, dist.get_rank(), device_type, mesh, topo, ep_span, reduction,
                                       timeout)
     return _MESH_CACHE[key]

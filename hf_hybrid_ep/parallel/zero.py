@@ -35,7 +35,7 @@ from torch import nn
 from .buckets import FlatBucket, OwnedView
 from .grads import GradientReducer
 from .mesh import all_gather_flat
-from .watchdog import watched
+from .watchdog import launched, wait, watched
 
 
 def _owned_views(b: FlatBucket) -> list[OwnedView]:
@@ -131,7 +131,9 @@ class ZeroSharding:
                 b.gather_work = all_gather_flat(b.param_buffer, mine, b.group, async_op=async_op)
             if not async_op:
                 self._wait([b])
-            elif b.gather_work is None:
+                continue
+            launched(b.gather_work, f"all_gather of ZeRO-1 parameter bucket {b.position}", b.group)
+            if b.gather_work is None:
                 b.gather_work = True  # a group of one, or a wrapper that ran it synchronously
 
     @staticmethod
@@ -140,8 +142,7 @@ class ZeroSharding:
             if b.gather_work is None:
                 continue
             if b.gather_work is not True:
-                with watched(f"all_gather of ZeRO-1 parameter bucket {b.position}", b.group):
-                    b.gather_work.wait()
+                wait(b.gather_work, f"all_gather of ZeRO-1 parameter bucket {b.position}", b.group)
             b.gather_work = None
             b.params_out()
 
