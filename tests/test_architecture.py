@@ -272,3 +272,20 @@ def test_no_private_name_is_imported_from_another_module():
             wrong += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports {a.name} from {target or 'hf_hybrid_ep'}"
                       for a in node.names if a.name.startswith("_") and not a.name.startswith("__") and target != module]
     assert not wrong, "\n".join(wrong)
+
+
+def test_model_io_reads_the_engine_through_its_api():
+    """Model I/O, inference, the file format and from_pretrained read a parallelized model through the engine's
+    read API (``hf_hybrid_ep.engine``: ``config_of``, ``mesh_of``, ``expert_layers``, ``is_parallelized``), never its
+    state object."""
+    state_names = {"state_of", "carries_state", "HybridEPState", "attach"}
+    paths = [*(PACKAGE / "model_io").rglob("*.py"), *(PACKAGE / "inference").rglob("*.py"),
+             *(PACKAGE / "checkpoint").rglob("*.py"), PACKAGE / "pretrained.py"]
+    wrong = []
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else
+                    None)
+            imported = [a.name for a in node.names] if isinstance(node, ast.ImportFrom | ast.Import) else []
+            wrong += [f"{path.relative_to(PACKAGE)}:{node.lineno} {n}" for n in [used, *imported] if n in state_names]
+    assert not wrong, wrong

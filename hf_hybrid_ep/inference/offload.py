@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engine.state import is_parallelized
+from ..engine import is_parallelized
 from ..errors import HybridEPConfigError
 from ..moe.discovery import expert_parameter_names, find_experts_modules
 from ..moe.router_rules import find_router

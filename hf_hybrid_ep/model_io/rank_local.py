@@ -26,9 +26,9 @@ from ..checkpoint.format import INDEX_NAME, PER_EXPERT_KEY, read_weight_map
 from ..checkpoint.manifest import CheckpointVerifier
 from ..checkpoint.reader import CheckpointReader
 from ..config import HybridEPConfig
+from ..engine import config_of, expert_layers, mesh_of
 from ..engine.adapters import is_peft_model
 from ..engine.failures import agree_on_failure
-from ..engine.state import state_of
 from ..errors import CheckpointError, HybridEPConfigError
 from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts
@@ -245,11 +245,11 @@ def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify
 
     def load() -> None:
         check_same_model(root, model)
-        verifier = open_checkpoint(root, verify=state_of(model).config.verify_checksums if verify is None else verify)
-        load_rank_local_(Path(root), model, state_of(model).layers, verifier=verifier)
+        verifier = open_checkpoint(root, verify=config_of(model).verify_checksums if verify is None else verify)
+        load_rank_local_(Path(root), model, expert_layers(model), verifier=verifier)
         load_side_state(model, root, verifier)
 
-    agree_on_failure(state_of(model).mesh, load)
+    agree_on_failure(mesh_of(model), load)
 
 
 def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | dict[str, list[list[int]]] | None:

@@ -16,12 +16,12 @@ from torch import nn
 
 from ..checkpoint.format import SIDE_FILE
 from ..checkpoint.manifest import CheckpointVerifier, save_metadata
-from ..engine.state import state_of
+from ..engine import expert_layers
 
 
 def _biased_layers(model: nn.Module) -> list:
 
-    return [layer for layer in state_of(model).layers
+    return [layer for layer in expert_layers(model)
             if layer.controls is not None and layer.controls.selection_bias is not None]
 
 

@@ -26,8 +26,8 @@ from ..checkpoint.format import FileInfo
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.rewrite import WeightFileMap
 from ..checkpoint.safetensors_io import StreamingSafetensorsWriter, TensorSpec, nonfinite_count, sha256_file
+from ..engine import expert_layers, mesh_of
 from ..engine.model_io import gather_scratch, host_tensors, savable_state
-from ..engine.state import state_of
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
 from ..parallel.heartbeat import FAILED, WORKING, Heartbeat
@@ -81,7 +81,7 @@ class SaveSchedule:
 
     @classmethod
     def of(cls, model: nn.Module, tensors: dict[str, torch.Tensor]) -> SaveSchedule:
-        units = _units(tensors, state_of(model).layers)
+        units = _units(tensors, expert_layers(model))
         keys, specs = [], {}
         for unit in units:
             reverted = _revert(model, {n: _full_meta(n, tensors[n], unit) for n in unit.names})
@@ -147,14 +147,14 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
     """Write ``model`` into the existing (staging) ``directory``, the same path on every rank: weight files
     laid out for the model's EP degree and placement, the index, config files and the side state.
     Collective; rank 0 writes."""
-    state = state_of(model)
+    layers = expert_layers(model)
     tensors = savable_state(model)
     schedule = SaveSchedule.of(model, tensors)
-    tables = {layer.name: layer.table for layer in state.layers}
-    file_map = WeightFileMap(state.layers[0].num_experts, len(state.layers), tables,
+    tables = {layer.name: layer.table for layer in layers}
+    file_map = WeightFileMap(layers[0].num_experts, len(layers), tables,
                              partial(expert_key_layers, model, tables=tables))
     files = beat.alone(lambda: _Files(directory, file_map.assign(schedule.specs), save_id))  # None but on rank 0
-    scratch = gather_scratch(model) if state.mesh.edp_rank == 0 else None  # every expert parameter passes through
+    scratch = gather_scratch(model) if mesh_of(model).edp_rank == 0 else None  # every expert parameter passes through
     failure, poisoned = None, []
     try:
         for unit, keys in zip(schedule.units, schedule.keys, strict=True):
