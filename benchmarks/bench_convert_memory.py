@@ -30,7 +30,7 @@ from pathlib import Path
 
 BASELINE = """
 import hf_hybrid_ep
-from hf_hybrid_ep.checkpoint.keys import model_experts
+from hf_hybrid_ep.moe.architecture import model_experts
 model_experts({src!r})
 """
 CONVERT = """

@@ -868,8 +868,8 @@ def device_peak(fn: Callable[[], object], device: str) -> int | None:
 def _saved(model, optimizer, directory: Path, device: str) -> dict[str, Any]:
     """Save ``model`` (streamed hybrid-EP checkpoint) and its optimizer state; the device memory each save
     allocated beyond what it found (CUDA only)."""
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
-    from hf_hybrid_ep.integrations.optimizer_state import save_optimizer_state
+    from hf_hybrid_ep.model_io.optimizer_state import save_optimizer_state
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     return {"save_peak_extra_bytes": device_peak(lambda: save_hybrid_checkpoint(model, directory / "model"), device),
             "optimizer_save_peak_extra_bytes": device_peak(
@@ -884,7 +884,7 @@ def section_save_resume(sizes: Sizes, tmp: Path) -> dict[str, Any]:
     import torch
 
     import hf_hybrid_ep as hep
-    from hf_hybrid_ep.integrations.optimizer_state import load_optimizer_state
+    from hf_hybrid_ep.model_io.optimizer_state import load_optimizer_state
 
     init_world_of_one(sizes.device, tmp)
     config = hep.HybridEPConfig(optimizer_sharding="zero1")

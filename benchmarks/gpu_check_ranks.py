@@ -395,8 +395,8 @@ def save_peaks(model, optimizer, ctx: Ctx) -> dict[str, Any]:
     layer's experts (unsharded: what the save streams at a time) and the unsharded optimizer state of the dense
     weights (what ZeRO-1 assembles whole to save it)."""
     import hf_hybrid_ep as hep
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
-    from hf_hybrid_ep.integrations.optimizer_state import save_optimizer_state
+    from hf_hybrid_ep.model_io.optimizer_state import save_optimizer_state
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     state = hep.state_of(model)
     experts = {id(p) for layer in state.layers for p in layer.slot_parameters()}

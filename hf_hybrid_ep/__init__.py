@@ -4,10 +4,8 @@ Dense weights are replicated and trained data-parallel on every rank; routed exp
 expert-parallel groups and reached by all-to-all. See README.md and docs/architecture.md.
 """
 
-from .checkpoint import CheckpointError, convert_checkpoint, export_checkpoint
+from .checkpoint import CheckpointError, export_checkpoint
 from .checkpoint.lease import hold_output_dir
-from .checkpoint.load import from_pretrained
-from .checkpoint.save import save_hybrid_checkpoint
 from .config import HybridEPConfig
 from .dispatch import PlacementTable
 from .engine import (
@@ -34,10 +32,13 @@ from .inference.offload import cache_stats, load_offloaded, offload, resize_offl
 from .inference.policies import ExpertCache
 from .inference.stores import MemoryStore, SafetensorsStore
 from .memory import memory_report
+from .model_io.convert import convert_checkpoint
+from .model_io.save import save_hybrid_checkpoint
 from .moe.discovery import find_experts_modules, is_fused_experts
 from .moe.experts import register_experts_implementation
 from .parallel.mesh import HybridMesh, build_mesh
 from .parallel.zero import ShardedOptimizer
+from .pretrained import from_pretrained
 
 register_experts_implementation()  # model.set_experts_implementation("hybrid_ep_triton")
 

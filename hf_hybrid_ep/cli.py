@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
-from .checkpoint import convert_checkpoint, export_checkpoint
+from .checkpoint import export_checkpoint
 from .checkpoint.inspect import format_summary, inspect_checkpoint
 from .config import DISPATCHER_BACKENDS
 from .errors import CheckpointError, HybridEPConfigError
+from .model_io.convert import convert_checkpoint
 
 TRUST_REMOTE_CODE_HELP = ("run code the checkpoint's config names (auto_map); off by default: never run code "
                           "from a download you have not read")

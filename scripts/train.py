@@ -53,7 +53,7 @@ from hf_hybrid_ep.integrations.plugin import (
     check_peft_block,
     explicit_flags,
 )
-from hf_hybrid_ep.integrations.resume import resume_target
+from hf_hybrid_ep.model_io.resume import resume_target
 from hf_hybrid_ep.parallel.nccl import set_env_defaults as set_nccl_env_defaults
 
 TRAIN_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hf_hybrid_ep as hep  # noqa: E402
 from hf_hybrid_ep.checkpoint import safetensors_io  # noqa: E402
 from hf_hybrid_ep.checkpoint.atomic import open_checkpoint  # noqa: E402
-from hf_hybrid_ep.checkpoint.convert import convert_checkpoint  # noqa: E402
 from hf_hybrid_ep.checkpoint.manifest import NOT_LISTED  # noqa: E402
 from hf_hybrid_ep.checkpoint.safetensors_io import CheckpointError  # noqa: E402
+from hf_hybrid_ep.model_io.convert import convert_checkpoint  # noqa: E402
 
 CRASH_EXIT = 17
 

@@ -76,7 +76,7 @@ def test_latest_resumes_a_lora_run_from_its_newest_adapter_checkpoint(lora_run, 
     """``--resume_from_checkpoint latest`` finds ``checkpoint-4`` (its manifest lists every file), the resumed
     steps 5 and 6 equal the uninterrupted run's and every step is logged once; ``inspect --verify`` checks it and
     ``PeftModel.from_pretrained`` loads the directory with the manifest file in it."""
-    from hf_hybrid_ep.integrations.resume import latest_checkpoint
+    from hf_hybrid_ep.model_io.resume import latest_checkpoint
 
     out = _copy(lora_run, tmp_path)
     assert latest_checkpoint(out) == out / "checkpoint-4"  # what hf-hybrid-ep launch resumes from, too
@@ -155,7 +155,7 @@ def test_latest_skips_an_incomplete_adapter_checkpoint_naming_what_it_lacks(pool
     import logging
 
     from hf_hybrid_ep.checkpoint.manifest import is_complete
-    from hf_hybrid_ep.integrations.resume import resolve_resume
+    from hf_hybrid_ep.model_io.resume import resolve_resume
 
     out = _copy(lora_run, tmp_path)
     _truncate(out / "checkpoint-4" / WEIGHTS)

@@ -17,10 +17,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("token exchange", ("dispatch",)),
     ("placement", ("planning.placement",)),
     ("quantized weights", ("quant",)),
+    ("checkpoint files", ("checkpoint",)),
     ("MoE layer", ("moe",)),
     ("orchestration", ("engine",)),
-    ("artifacts and planning", ("checkpoint", "inference", "memory", "metrics", "planning")),
-    ("entry points", ("integrations", "hub", "cli", "")),
+    ("model I/O and artifacts", ("model_io", "inference", "memory", "metrics", "planning")),
+    ("entry points", ("integrations", "pretrained", "hub", "cli", "")),
 ]
 MAX_FUNCTION_LINES = 80
 
@@ -227,3 +228,64 @@ def test_no_logic_is_written_twice():
     root = PACKAGE.parent
     paths = sorted([*PACKAGE.rglob("*.py"), *(root / "scripts").rglob("*.py"), *(root / "benchmarks").rglob("*.py")])
     assert not duplicate_blocks(paths)
+
+
+# ---- files and model I/O
+
+
+def test_checkpoint_files_know_no_model():
+    """checkpoint/ is the model-free file format: it imports neither the engine, the MoE layer nor model I/O, and of
+    transformers only configs and the weight-conversion machinery (``core_model_loading``), never a model class."""
+    allowed = {"transformers": {"PretrainedConfig", "AutoConfig"}, "transformers.core_model_loading": None}
+    wrong = []
+    for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
+        name = _module_name(path)
+        wrong += [f"{name} imports {t}" for t in _imports(path) if t.split(".")[0] in ("engine", "moe", "model_io")]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wrong += [f"{name} imports {a.name}" for a in node.names if a.name.split(".")[0] == "transformers"]
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "transformers":
+                names = allowed.get(node.module, set())
+                wrong += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if names is not None and a.name not in names]
+    assert not wrong, wrong
+
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name (or the
+    code moves), so what a module offers the others is what it names publicly."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".") if package else []
+                target = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("hf_hybrid_ep"):
+                target = node.module.removeprefix("hf_hybrid_ep").lstrip(".")
+            else:
+                continue
+            wrong += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports {a.name} from {target or 'hf_hybrid_ep'}"
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__") and target != module]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_model_io_reads_the_engine_through_its_api():
+    """Model I/O, inference, the file format and from_pretrained read a parallelized model through the engine's
+    read API (``hf_hybrid_ep.engine``: ``config_of``, ``mesh_of``, ``expert_layers``, ``is_parallelized``), never its
+    state object."""
+    state_names = {"state_of", "carries_state", "HybridEPState", "attach"}
+    paths = [*(PACKAGE / "model_io").rglob("*.py"), *(PACKAGE / "inference").rglob("*.py"),
+             *(PACKAGE / "checkpoint").rglob("*.py"), PACKAGE / "pretrained.py"]
+    wrong = []
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else
+                    None)
+            imported = [a.name for a in node.names] if isinstance(node, ast.ImportFrom | ast.Import) else []
+            wrong += [f"{path.relative_to(PACKAGE)}:{node.lineno} {n}" for n in [used, *imported] if n in state_names]
+    assert not wrong, wrong

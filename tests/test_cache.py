@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -151,6 +153,19 @@ def test_load_offloaded_never_holds_more_than_capacity_experts(converted):
     for a, b in zip(got.logits, want.logits, strict=True):
         assert ((a - b).norm() / b.norm()).item() <= 1e-6
     assert all(layer["evictions"] > 0 for layer in hep.cache_stats(model).values())
+
+
+def test_load_offloaded_refuses_a_tensor_of_another_shape_naming_it(converted, tmp_path):
+    # a config.json that disagrees with the weights (another vocabulary): the first tensor of another shape (the
+    # output projection) is refused by name, as rank-local loading refuses it, never installed at the file's shape
+    wrong = tmp_path / "wrong"
+    shutil.copytree(converted, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    config["vocab_size"] += 8
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hep.CheckpointError, match=r"'lm_head\.weight' has shape \(\d+, \d+\), the model expects "
+                                                  r"\(\d+, \d+\)"):
+        hep.load_offloaded(wrong, capacity=2)
 
 
 # ---------------------------------------------------------------------------------------------- the CUDA paths

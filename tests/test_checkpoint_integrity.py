@@ -69,7 +69,7 @@ def test_the_index_records_a_folder_name_never_a_local_path(sources, tmp_path):
 
 
 def test_an_existing_output_is_refused_before_the_source_is_read(sources, tmp_path, monkeypatch):
-    import hf_hybrid_ep.checkpoint.convert as convert
+    import hf_hybrid_ep.model_io.convert as convert
 
     out = tmp_path / "out"
     out.mkdir()

@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_leaves
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
-from hf_hybrid_ep.checkpoint.keys import build_meta_model, classify_keys, model_experts, read_config
+from hf_hybrid_ep.checkpoint.keys import classify_keys
 from hf_hybrid_ep.checkpoint.safetensors_io import TensorSpec
-from hf_hybrid_ep.checkpoint.validate import validate_against_model
 from hf_hybrid_ep.cli import main as cli
+from hf_hybrid_ep.model_io.validate import validate_against_model
+from hf_hybrid_ep.moe.architecture import build_meta_model, model_experts, read_config
 
 MIX_W1 = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
 MIX_DENSE = "model.layers.0.self_attn.q_proj.weight"

@@ -9,7 +9,7 @@ import torch
 from tiny_models import build_tiny_model, tiny_inputs
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.integrations.optimizer_state import load_optimizer_state, save_optimizer_state
+from hf_hybrid_ep.model_io.optimizer_state import load_optimizer_state, save_optimizer_state
 
 
 def _trained(sharding: str, step: bool = True):

@@ -45,8 +45,8 @@ def test_inspect_verify_reports_nonfinite_tensors(tmp_path, capsys):
     from checkpoint_fixtures import save_source
     from safetensors.torch import load_file, save_file
 
-    from hf_hybrid_ep.checkpoint.convert import convert_checkpoint
     from hf_hybrid_ep.cli import main as cli
+    from hf_hybrid_ep.model_io.convert import convert_checkpoint
 
     source = save_source("qwen3_moe", tmp_path / "src")
     shard = sorted(source.glob("*.safetensors"))[0]

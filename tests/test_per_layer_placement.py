@@ -16,9 +16,9 @@ from tiny_models import build_tiny_model
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
 from hf_hybrid_ep.checkpoint.format import INDEX_NAME
-from hf_hybrid_ep.checkpoint.load import checkpoint_placement
 from hf_hybrid_ep.checkpoint.manifest import MANIFEST_KEY, content_digest
 from hf_hybrid_ep.cli import main as cli
+from hf_hybrid_ep.model_io.rank_local import checkpoint_placement
 
 LAYER0, LAYER1 = "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"
 PER_LAYER = {LAYER0: [[3, 0], [1, 2]], LAYER1: [[0, 1, 2], [2, 3, 0]]}  # a permutation; replicas

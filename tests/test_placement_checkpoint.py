@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
-from hf_hybrid_ep.checkpoint.load import checkpoint_placement
 from hf_hybrid_ep.cli import main as cli
+from hf_hybrid_ep.model_io.rank_local import checkpoint_placement
 
 PERMUTED = [[3, 0], [1, 2]]
 REPLICATED = [[0, 1, 2], [2, 3, 0]]

@@ -33,7 +33,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 import hf_hybrid_ep as hep
 from hf_hybrid_ep.checkpoint import CheckpointError, read_index
-from hf_hybrid_ep.checkpoint import convert as convert_module
+from hf_hybrid_ep.checkpoint import rewrite as rewrite_module
 from hf_hybrid_ep.checkpoint.inspect import format_summary, inspect_checkpoint
 from hf_hybrid_ep.cli import main as cli
 from hf_hybrid_ep.planning.planner import plan
@@ -271,7 +271,7 @@ def test_the_output_size_is_stated_and_a_full_disk_refused(sources, tmp_path, mo
     assert f"leaving out 1 key(s) the model does not load ({MTP_KEY})" in stated
     needed = float(match[1]) * 1e3
     assert written <= needed <= 1.25 * written
-    monkeypatch.setattr(convert_module, "free_bytes", lambda directory: written // 2)
+    monkeypatch.setattr(rewrite_module, "free_bytes", lambda directory: written // 2)
     _refused(src, tmp_path / "full", "needs", "its filesystem has", "free")
 
 

@@ -8,8 +8,8 @@ import parity
 import pytest
 
 import hf_hybrid_ep as hep
-from hf_hybrid_ep.checkpoint.load import checkpoint_placement
 from hf_hybrid_ep.dispatch import PlacementTable
+from hf_hybrid_ep.model_io.rank_local import checkpoint_placement
 from hf_hybrid_ep.planning.placement import align_rows
 
 LAYOUTS = [(2, 2), (1, 4)]

@@ -113,7 +113,7 @@ def test_unknown_model_type_is_refused_without_running_code(loader, trapped, tmp
 
 DRIVER = """
 import json, os, pathlib, sys
-from hf_hybrid_ep.checkpoint.keys import read_config
+from hf_hybrid_ep.moe.architecture import read_config
 from hf_hybrid_ep.cli import main
 
 src, out, marker = sys.argv[1:4]

@@ -187,7 +187,7 @@ def test_native_correction_bias_is_updated_and_saved(tmp_path):
 def test_selection_only_bias_lives_in_the_side_file(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_hybrid_ep.checkpoint.side_state import SIDE_FILE
+    from hf_hybrid_ep.checkpoint.format import SIDE_FILE
     from hf_hybrid_ep.integrations import save_hybrid_checkpoint
 
     model = _skewed_gpt_oss(0.05)

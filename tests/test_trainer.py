@@ -153,7 +153,7 @@ def test_resume_from_the_latest_complete_checkpoint_logs_each_step_once(pools, t
     missing a file (incomplete): it resumes from checkpoint-2, its losses equal the first run's, and
     expert_load.jsonl holds every step once (a fresh start without any checkpoint: the recovery drill's first
     attempt, tests/test_fault_drills.py)."""
-    from hf_hybrid_ep.integrations.resume import latest_checkpoint
+    from hf_hybrid_ep.model_io.resume import latest_checkpoint
 
     pool, run = pools(2), tmp_path / "run"
     first = pool.run(cases.trainer_run, 1, 2, str(run), 4, 2)[0]["losses"]

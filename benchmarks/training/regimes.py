@@ -103,11 +103,11 @@ def t_over_t_star(regime: Regime) -> dict[str, float]:
 def memory_budget(counts, regime: Regime) -> dict[str, int]:
     """The per-rank memory budget, fixed before any run: ``1.5 ×`` the planner's per-rank memory of the hybrid
     dp2×ep2 layout (fp32 AdamW state + fp32 activations of one micro-batch) ``+ 128 MiB`` for the runtime."""
-    from hf_hybrid_ep.planning.planner import _activations, rank_state_bytes
+    from hf_hybrid_ep.planning.counts import activation_bytes, rank_state_bytes
 
     state = rank_state_bytes(counts, 2, 2, 0, "fp32-adamw")
     state_bytes = state["weight_bytes"] + state["grad_bytes"] + state["optimizer_bytes"]
-    activations = 2 * _activations(counts, regime.batch_per_rank, regime.seq_len)[0]  # the formula is in bf16 bytes
+    activations = 2 * activation_bytes(counts, regime.batch_per_rank, regime.seq_len)[0]  # the formula is in bf16 bytes
     planned = state_bytes + activations
     return {"planner_hybrid_bytes": planned, "budget_bytes": int(STATE_SLACK * planned + RUNTIME_ALLOWANCE_BYTES)}
 

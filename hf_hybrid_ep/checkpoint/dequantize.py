@@ -25,7 +25,7 @@ tensors do not fit the method (naming the tensor).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -313,27 +313,25 @@ class Dequantizer:
         return out
 
 
-def checkpoint_bytes(model: nn.Module, quantization: Quantization | None, skip: Iterable[str] = (),
-                     dtype: torch.dtype = DEFAULT_DTYPE) -> tuple[int, int]:
+def checkpoint_bytes(model: nn.Module, quantization: Quantization | None, expert_tensors: Collection[str],
+                     skip: Iterable[str] = (), dtype: torch.dtype = DEFAULT_DTYPE) -> tuple[int, int]:
     """Bytes of the tensors of ``model`` (built on the meta device) in a checkpoint quantized with
     ``quantization``, and once dequantized; unquantized tensors take ``dtype`` in both.
 
     Quantized are the tensors transformers quantizes for the method: for ``fp8`` the weights of every
     ``nn.Linear`` and the experts' tensors (1 byte an element and a float32 scale a block), for
-    ``mxfp4`` the experts' tensors of three dimensions (half a byte an element and one per 32); never
-    those of the output embedding or of a module ``skip`` names (``modules_to_not_convert`` patterns).
-    Dequantized tensors take bfloat16.
+    ``mxfp4`` the experts' tensors (half a byte an element and one per 32); never those of the output
+    embedding or of a module ``skip`` names (``modules_to_not_convert`` patterns). ``expert_tensors`` names the
+    experts' tensors: the parameters of three dimensions of the model's experts modules. Dequantized tensors
+    take bfloat16.
     """
-    from ..moe.discovery import find_experts_modules
-
     plain = dtype.itemsize
     if quantization is None:
         total = sum(p.numel() for p in model.parameters()) * plain
         return total, total
     output = model.get_output_embeddings()
     patterns = [*skip, *(n for n, m in model.named_modules() if output is not None and m is output)]
-    quantized = {f"{n}.{p}" for n, m in find_experts_modules(model) for p, t in m.named_parameters(recurse=False)
-                 if t.dim() == 3}
+    quantized = set(expert_tensors)
     if quantization.method == "fp8":
         quantized |= {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     source = converted = 0

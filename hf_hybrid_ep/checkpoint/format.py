@@ -28,13 +28,15 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: ``placement`` may be per layer; 1 (one table for every layer) still loads
 READABLE_VERSIONS = (1, 2)
-OPTIMIZER_TENSORS_NAME = "optimizer.safetensors"  # a Trainer checkpoint's optimizer state (integrations.optimizer_state)
+OPTIMIZER_TENSORS_NAME = "optimizer.safetensors"  # a Trainer checkpoint's optimizer state (model_io.optimizer_state)
 OPTIMIZER_META_NAME = "optimizer.json"
+SIDE_FILE = "hybrid_ep_state.safetensors"  # state vanilla transformers has no place for (model_io.side_state)
 # What a Trainer checkpoint holds besides the model: the optimizer state above and the Trainer's own files
 # (transformers.trainer's TRAINER_STATE_NAME, TRAINING_ARGS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME,
 # rng_state*.pth) — never part of a plain model directory.
 TRAINING_STATE = re.compile(r"^(trainer_state\.json|training_args\.bin|optimizer\.(json|safetensors|pt)|scheduler\.pt"
                             r"|scaler\.pt|rng_state(_\d+)?\.pth)$")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")  # weight files, any format
 PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)$")
 
 
@@ -99,11 +101,6 @@ class HybridEPMetadata:
                                   f"{sorted(self.placement)}")
         return self.placement[layer]
 
-    def rank_experts(self, ep_rank: int) -> set[int]:
-        """Global expert ids EP rank ``ep_rank`` holds in any layer."""
-        tables = self.placement.values() if self.per_layer else [self.placement]
-        return {e for rows in tables for e in rows[ep_rank]}
-
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str) -> HybridEPMetadata:
         try:
@@ -142,6 +139,25 @@ def safe_member(root: Path, name: str, index_path: Path | str) -> Path:
     if os.path.isabs(name) or ".." in Path(name).parts or "/" in name or "\\" in name:
         raise CheckpointError(f"{str(index_path)!r} names file {name!r} outside the checkpoint directory")
     return root / name
+
+
+def read_weight_map(root: Path) -> dict[str, str]:
+    """Key → file of the checkpoint directory ``root``: its index's ``weight_map``, or every key of its single
+    file. Reads only the index (or the single file's header), checks nothing else.
+
+    Raises:
+        CheckpointError: naming the index when it is not valid JSON, or ``root`` when it has neither.
+    """
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err}") from err
+    if (root / SINGLE_NAME).is_file():
+        specs, _ = read_header(root / SINGLE_NAME)
+        return {k: SINGLE_NAME for k in specs}
+    raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
 
 
 def read_index(root: str | os.PathLike[str]) -> CheckpointIndex:

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .dequantize import quantization_config_of, quantization_of
 from .format import INDEX_NAME, SINGLE_NAME, read_index
 from .manifest import read_manifest, verify_checksums
+from .peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .safetensors_io import TensorFiles, nonfinite_count, read_header
 
 ADAPTER_SUMMARY_FIELDS = ("peft_type", "r", "lora_alpha", "target_modules", "target_parameters")

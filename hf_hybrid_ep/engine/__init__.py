@@ -3,6 +3,7 @@ attaches its state (:mod:`.state`) and runs it at every step (:mod:`.step`, :mod
 entry points for gradients, optimizers, replicas, the unsharded model and counters. See
 docs/architecture.md."""
 
+from .api import config_of, expert_layers, is_parallelized, mesh_of
 from .eval_layout import eval_layout
 from .freeze import ExpertFreezer
 from .gradients import clip_grad_norm_, no_sync
@@ -23,10 +24,14 @@ __all__ = [
     "after_optimizer_step",
     "clip_grad_norm_",
     "comm_stats",
+    "config_of",
     "eval_layout",
+    "expert_layers",
     "full_state_dict",
+    "is_parallelized",
     "layer_counters",
     "make_optimizer",
+    "mesh_of",
     "no_sync",
     "parallelize",
     "reset_comm_stats",

@@ -82,6 +82,7 @@ def parallelize(
     config: HybridEPConfig | None = None,
     *,
     materialize: Callable[[nn.Module, list[ShardedExperts]], None] | None = None,
+    source: str | None = None,
 ) -> nn.Module:
     """Shard the routed experts of a transformers MoE model over EP groups and return the same model.
 
@@ -91,7 +92,8 @@ def parallelize(
     experts are sharded, so build it on the CPU. In place: dense weights stay replicated;
     each fused experts module keeps only this rank's experts and runs through the all-to-all dispatcher;
     gradient hooks give every gradient the single-process value after ``loss.backward()``. Create the
-    optimizer afterwards. Collective: call on every rank.
+    optimizer afterwards. Collective: call on every rank. ``source`` names where the weights come from (a
+    checkpoint directory or Hub id; the start-up summary says it).
 
     Raises:
         HybridEPConfigError: before any work, for a layout that cannot work (naming the values), a model
@@ -119,7 +121,7 @@ def parallelize(
     shadows = ShadowManager(layers, mesh, config.shadow_capacity) if config.shadow_experts else None
     backward = BackwardSequence(reducer, agreement, shadows)
     attach(model, HybridEPState(config, mesh, layers, reducer, backward, agreement, shadows=shadows,
-                                dispatcher_choice=choice))
+                                dispatcher_choice=choice, weights_from=source))
     _apply_hooks(model=model)
     if config.rebalancing:
         state_of(model).rebalancer = Rebalancer(model, layers, mesh, reducer, config)
@@ -182,7 +184,7 @@ def parallelize_peft_model(peft_model: nn.Module) -> nn.Module:
     held slot-major and computed with their experts, the gradient reducer is rebuilt for the adapters (PEFT froze
     the base weights), and the PeftModel carries the engine's state — it saves PEFT's adapter directory
     collectively and hands the state back on ``merge_and_unload``. The factors keep PEFT's values, which depend on
-    the layout; :func:`hf_hybrid_ep.checkpoint.adapters.init_adapters_` draws fresh ones that do not. Collective.
+    the layout; :func:`hf_hybrid_ep.model_io.adapters.init_adapters_` draws fresh ones that do not. Collective.
 
     Raises:
         HybridEPConfigError: as :func:`parallelize` does for adapters the engine cannot train.

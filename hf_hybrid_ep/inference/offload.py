@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engine.state import is_parallelized
+from ..engine import is_parallelized
 from ..errors import HybridEPConfigError
 from ..moe.discovery import expert_parameter_names, find_experts_modules
 from ..moe.router_rules import find_router
 from ..parallel.devices import place_module
 from .policies import ExpertCache
-from .stores import MemoryStore, SafetensorsStore, _make_store
+from .stores import MemoryStore, SafetensorsStore, make_store
 
 STAGING_BUFFERS = 4  # pinned host buffers of one expert each, shared by every layer of an offloaded model
 _ALIGN = 64  # bytes: each tensor of an expert starts at this alignment in its staging buffer
@@ -262,7 +262,7 @@ def offload(model: nn.Module, capacity: int, policy: str = "lru", device: str | 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "meta":
         raise HybridEPConfigError("offload needs a compute device for a model built on the meta device (device=...)")
-    store = _make_store(store)
+    store = make_store(store)
     if isinstance(store, MemoryStore) and any(p.is_meta for _, m in found for p in m.parameters(recurse=False)):
         raise HybridEPConfigError("the model's experts are on the meta device: give a checkpoint store (store=path)")
     store.bind(model, [(name, m, expert_parameter_names(name, m)) for name, m in found])
@@ -291,8 +291,9 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
 
     Every file is checked against the index's manifest when first opened (sha256 unless
     ``verify=False``); no code from the checkpoint runs unless ``trust_remote_code=True``."""
-    from ..checkpoint.keys import build_meta_model, read_config
-    from ..checkpoint.load import _assemble, _Reader, rank_local_targets
+    from ..checkpoint.reader import CheckpointReader
+    from ..model_io.rank_local import fill_tensors_, tensor_recipes
+    from ..moe.architecture import build_meta_model, read_config
 
     root = Path(path)
     if not root.is_dir():
@@ -301,24 +302,10 @@ def load_offloaded(path: str | os.PathLike[str], capacity: int, policy: str = "l
     model = build_meta_model(read_config(root, trust_remote_code), trust_remote_code)
     offload(model, capacity, policy, device=device, store=store, prefetch=prefetch)
     experts = {f"{layer.name}.{p}" for layer in offload_state_of(model) for p in layer.param_names}
-    weight_map = store.weight_map
-    reader = _Reader(root, weight_map, verifier=store.verifier)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, target in sorted(rank_local_targets(model, [], weight_map).items()):
-            if name in experts or (name not in params and name not in buffers):
-                continue
-            value = _assemble(name, target, reader, model)
-            if name in buffers:
-                buffers[name].copy_(value.to(buffers[name].dtype))
-                continue
-            module_name, _, leaf = name.rpartition(".")
-            current = params[name]
-            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(
-                value.to(device, current.dtype), requires_grad=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    reader = CheckpointReader(root, store.weight_map, verifier=store.verifier)
+    model.requires_grad_(False)  # inference: the parameters filled in get no gradient
+    fill_tensors_(model, tensor_recipes(model, [], store.weight_map), reader, skip=experts, device=device,
+                  keep_model_dtypes=True)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise HybridEPConfigError(f"checkpoint {str(root)!r} lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")

@@ -38,23 +38,24 @@ class SafetensorsStore:
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
         from ..checkpoint.atomic import open_checkpoint
-        from ..checkpoint.load import _weight_map
+        from ..checkpoint.format import read_weight_map
 
         self.root = Path(path)
         if not self.root.is_dir():
             raise HybridEPConfigError(f"expert store {str(self.root)!r} is not a checkpoint directory")
         self.verifier = open_checkpoint(self.root, verify=verify)  # each file checked when first opened
-        self.weight_map = _weight_map(self.root)
+        self.weight_map = read_weight_map(self.root)
         self.targets: dict = {}
         self.model: nn.Module | None = None
         self.reader = None
 
     def bind(self, model: nn.Module, layers: list[tuple[str, nn.Module, list[str]]]) -> None:
-        from ..checkpoint.load import _Reader, rank_local_targets
+        from ..checkpoint.reader import CheckpointReader
+        from ..model_io.rank_local import tensor_recipes
 
         views = [SimpleNamespace(name=n, param_names=ps, local_experts=list(range(m.num_experts))) for n, m, ps in layers]
-        self.targets = rank_local_targets(model, views, self.weight_map)
-        self.model, self.reader = model, _Reader(self.root, self.weight_map, verifier=self.verifier)
+        self.targets = tensor_recipes(model, views, self.weight_map)
+        self.model, self.reader = model, CheckpointReader(self.root, self.weight_map, verifier=self.verifier)
         self.param_names = {name: param_names for name, _, param_names in layers}
         for name, module, param_names in layers:  # a checkpoint of another model fails here, naming the key
             for p in param_names:
@@ -69,7 +70,7 @@ class SafetensorsStore:
                     )
 
     def expert(self, layer: str, expert: int) -> dict[str, torch.Tensor]:
-        from ..checkpoint.load import _assemble, _Target
+        from ..model_io.rank_local import assemble
 
         out = {}
         for p in self.param_names[layer]:
@@ -80,13 +81,13 @@ class SafetensorsStore:
                     raise HybridEPConfigError(f"expert store {str(self.root)!r}: {key} is not an expert tensor")
                 value = self.reader.rows(target.direct, [expert])
             else:
-                one = _Target(target.converter, {pat: [keys[expert]] for pat, keys in target.sources.items()})
-                value = _assemble(key, one, self.reader, self.model)
+                value = assemble(key, target.for_slot(expert), self.reader, self.model)  # every expert held: slot = id
             out[p] = value[0]
         return out
 
 
-def _make_store(store) -> MemoryStore | SafetensorsStore:
+def make_store(store) -> MemoryStore | SafetensorsStore:
+    """The store ``offload(store=...)`` names: ``None`` / ``"memory"``, a store, or a checkpoint directory."""
     if store is None or store == "memory":
         return MemoryStore()
     if isinstance(store, MemoryStore | SafetensorsStore):

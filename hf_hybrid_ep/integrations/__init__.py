@@ -1,6 +1,6 @@
 """Integrations with the Hugging Face training stack (Accelerate, the Trainer and its subclasses, TRL)."""
 
-from ..checkpoint.save import save_hybrid_checkpoint
+from ..model_io.save import save_hybrid_checkpoint
 from .accelerator import load_state, prepare_accelerator, save_state
 from .plugin import HybridEPPlugin
 from .trainer import HybridEP

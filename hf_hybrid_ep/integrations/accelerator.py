@@ -25,11 +25,11 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ..checkpoint.atomic import staged_save
-from ..checkpoint.load import load_checkpoint_into_
-from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint
 from ..engine.state import state_of
 from ..errors import HybridEPConfigError
-from .optimizer_state import load_optimizer_state, save_optimizer_state
+from ..model_io.optimizer_state import load_optimizer_state, save_optimizer_state
+from ..model_io.rank_local import load_checkpoint_into_
+from ..model_io.save import rank_zero_save, save_hybrid_checkpoint
 
 _MULTI_PROCESS = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 

@@ -24,7 +24,7 @@ What the command gets (:func:`restart_command`; ``hf-hybrid-ep launch --dry-run`
   predecessor left, even from another node (:mod:`hf_hybrid_ep.checkpoint.lease`).
 - ``--resume_from_checkpoint latest`` after the script's arguments, unless they pass ``--resume_from_checkpoint``:
   the first round starts fresh, every restart resumes from the newest complete checkpoint of ``--output_dir``
-  (:mod:`hf_hybrid_ep.integrations.resume`).
+  (:mod:`hf_hybrid_ep.model_io.resume`).
 
 Process counts are read as each launcher means them: Accelerate's ``--num_processes`` is the total over its
 ``--num_machines``, torchrun's ``--nproc_per_node`` is per node of its ``--nnodes``; Accelerate's values missing

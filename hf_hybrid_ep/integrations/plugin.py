@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.adapters import ADAPTER_CONFIG, adapter_conflicts, saved_adapter_config
+from ..checkpoint.peft_files import ADAPTER_CONFIG, adapter_conflicts, saved_adapter_config
 from ..config import MIN_COLLECTIVE_TIMEOUT_S, HybridEPConfig, config_fields, env_values, read_yaml_mapping
 from ..errors import HybridEPConfigError
 from ..moe.lora import DEFAULT_LORA_TARGETS

@@ -35,8 +35,8 @@ import uuid
 from pathlib import Path
 
 from ..errors import HybridEPConfigError
+from ..model_io.resume import latest_checkpoint
 from .launch import Job, restart_command, run_id
-from .resume import latest_checkpoint
 
 GRACE_S = 10.0  # a leftover worker gets this long after SIGTERM before SIGKILL
 AGENT_GRACE_S = 45.0  # the agent's time to end its workers (torchrun waits 30 s before SIGKILL) and itself
@@ -140,7 +140,7 @@ def memory_per_process_gb(processes: int) -> float:
 def _plan_inputs(checkpoint: Path) -> tuple[str, dict]:
     """What the planner reads for ``checkpoint``: the checkpoint itself, or, for a checkpoint of LoRA adapters, the
     base model its saved adapter config names and the adapters' rank and targets."""
-    from ..checkpoint.adapters import saved_adapter_config
+    from ..checkpoint.peft_files import saved_adapter_config
 
     adapter = saved_adapter_config(checkpoint)
     if adapter is None:

@@ -22,7 +22,7 @@ class's own:
   (:mod:`hf_hybrid_ep.engine.nonfinite`; ``skipped_steps`` in the logs);
 * ``train(resume_from_checkpoint="latest")`` (or ``True``) resumes from the newest complete checkpoint of the output
   directory and starts fresh when there is none; ``expert_load.jsonl`` loses the records of later steps, which
-  the resumed run logs again (:mod:`hf_hybrid_ep.integrations.resume`);
+  the resumed run logs again (:mod:`hf_hybrid_ep.model_io.resume`);
 * ``train()`` holds the output directory's run lease (:func:`hf_hybrid_ep.checkpoint.lease.hold_output_dir`) from
   its start to its end: a second run on a directory that a live run holds is refused on every rank, naming it; it logs the
   start-up summary on rank 0 (:mod:`hf_hybrid_ep.engine.summary`), shown at transformers' default verbosity;
@@ -45,13 +45,10 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_AR
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging as hf_logging
 
-from ..checkpoint.adapters import ADAPTER_CONFIG, check_adapter_config, load_adapter_, tag_adapter_weights
 from ..checkpoint.atomic import open_checkpoint, staged_save
 from ..checkpoint.lease import hold_output_dir
-from ..checkpoint.load import load_checkpoint_into_
 from ..checkpoint.manifest import MANIFEST_NAME
-from ..checkpoint.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
-from ..checkpoint.side_state import load_side_state, save_side_state
+from ..checkpoint.peft_files import ADAPTER_CONFIG, tag_adapter_weights
 from ..engine.adapters import is_peft_model
 from ..engine.eval_layout import eval_layout
 from ..engine.freeze import ExpertFreezer
@@ -67,12 +64,16 @@ from ..engine.summary import log_startup_summary
 from ..errors import CheckpointError, HybridEPConfigError
 from ..memory import log_memory_report
 from ..metrics import JSONL_NAME, append_jsonl, load_report, rebalance_report, summary_scalars
+from ..model_io.adapters import check_adapter_config, load_adapter_
+from ..model_io.optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
+from ..model_io.rank_local import load_checkpoint_into_
+from ..model_io.resume import resolve_resume
+from ..model_io.save import rank_zero_save, save_hybrid_checkpoint, write_model_files
+from ..model_io.side_state import load_side_state, save_side_state
 from ..moe.discovery import find_experts_modules
 from ..parallel import watchdog
 from ..parallel.amp import agree_found_inf_
 from .accelerator import prepare_accelerator
-from .optimizer_state import META_NAME, load_optimizer_state, save_optimizer_state
-from .resume import resolve_resume
 from .trl import GRPORoutingReplay, check_construction, is_grpo, take_over
 
 logger = logging.getLogger("hf_hybrid_ep")

@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.adapters import check_fresh_init, init_adapters_
+from ..checkpoint.peft_files import check_fresh_init
 from ..engine.adapters import is_peft_model
 from ..engine.routing_replay import RoutingRecord, record_routing, replay_routing
 from ..engine.setup import parallelize_peft_model
 from ..engine.state import carries_state, state_of
 from ..errors import HybridEPConfigError
+from ..model_io.adapters import init_adapters_
 
 
 def is_trl_trainer(trainer_class: type) -> bool:

@@ -13,8 +13,8 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from ..checkpoint.dequantize import checkpoint_bytes, quantization_config_of, quantization_of
-from ..checkpoint.keys import _from_config
 from ..config import DENSE_SHARDINGS, OPTIMIZER_SHARDINGS
+from ..moe.architecture import model_from_config
 from ..moe.discovery import check_shardable, expert_parameter_names
 from ..parallel.topology import Topology
 
@@ -72,7 +72,7 @@ def with_lora(m: ModelCounts, config: PretrainedConfig, r: int, target_modules, 
     if r < 1:
         raise ValueError(f"lora_r={r} must be a positive integer")
     with torch.device("meta"):
-        model = _from_config(config, trust_remote_code)
+        model = model_from_config(config, trust_remote_code)
     found = check_shardable(model)
     dense = sum(r * (mod.in_features + mod.out_features) for name, mod in model.named_modules()
                 if isinstance(mod, nn.Linear) and _matches(name, target_modules))
@@ -112,7 +112,7 @@ def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) 
     import torch
 
     with torch.device("meta"):
-        model = _from_config(config, trust_remote_code)
+        model = model_from_config(config, trust_remote_code)
     found = check_shardable(model)
     expert_ids = set()
     expert = 0
@@ -134,7 +134,8 @@ def count_parameters(config: PretrainedConfig, trust_remote_code: bool = False) 
     lookup = table.weight.numel() if output is None or output.weight is not table.weight else 0
     quantization = quantization_of(config, f"the {config.model_type} config")
     skip = (quantization_config_of(config) or {}).get("modules_to_not_convert") or ()
-    stored, converted = checkpoint_bytes(model, quantization, skip, _checkpoint_dtype(config))
+    expert_tensors = {f"{n}.{p}" for n, m in found for p, t in m.named_parameters(recurse=False) if t.dim() == 3}
+    stored, converted = checkpoint_bytes(model, quantization, expert_tensors, skip, _checkpoint_dtype(config))
     return ModelCounts(
         model_type=config.model_type, total_params=total, dense_params=total - expert, expert_params=expert,
         num_experts=first.num_experts, top_k=int(top_k), moe_layers=len(found),
@@ -215,7 +216,9 @@ def _lora_state_bytes(m: ModelCounts, dp: int, ep: int, rank: int, recipe_bytes:
     return {"params": held, "weight_bytes": held * w, "grad_bytes": adapters * g, "optimizer_bytes": state * o}
 
 
-def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
+def activation_bytes(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
+    """Activation bytes of ``batch`` sequences of ``seq`` tokens through every layer (in bf16): ``(kept for backward,
+    with activation checkpointing)``."""
     attention = batch * seq * 10 * m.hidden
     moe = attention + batch * seq * m.top_k * (2 * m.hidden + 6 * m.expert_width) + 4 * batch * seq * m.num_experts
     dense = batch * seq * 34 * m.hidden
@@ -225,19 +228,19 @@ def _activations(m: ModelCounts, batch: int, seq: int) -> tuple[int, int]:
     return full, checkpointed
 
 
-def _ranks_per(topo: Topology, ranks: list[int]) -> tuple[int, int, int, int]:
+def ranks_per_level(topo: Topology, ranks: list[int]) -> tuple[int, int, int, int]:
     """(ranks on one node, ranks in one rack, nodes, racks) of a group of global ranks (uniform groups)."""
     nodes = {topo.node_of(r) for r in ranks}
     racks = {topo.rack_of(r) for r in ranks}
     return len(ranks) // len(nodes), len(ranks) // len(racks), len(nodes), len(racks)
 
 
-def _allreduce_split(topo: Topology, ranks: list[int], size: float) -> dict[str, float]:
+def allreduce_split(topo: Topology, ranks: list[int], size: float) -> dict[str, float]:
     """Per-GPU bytes of a hierarchical all-reduce of ``size`` bytes over ``ranks``, by link level."""
     out = {"intra_node": 0.0, "inter_node": 0.0, "cross_rack": 0.0}
     if len(ranks) < 2:
         return out
-    g, _, nodes, racks = _ranks_per(topo, ranks)
+    g, _, nodes, racks = ranks_per_level(topo, ranks)
     out["intra_node"] = 2 * (g - 1) / g * size
     if nodes > 1:
         out["cross_rack" if racks > 1 else "inter_node"] = 2 * (nodes - 1) / nodes * size / g

@@ -78,12 +78,12 @@ from .counts import (  # noqa: F401  (re-exported: the planner's public names of
     KNOWN_CONFIGS,
     RECIPES,
     ModelCounts,
-    _activations,
-    _allreduce_split,
-    _ranks_per,
+    activation_bytes,
+    allreduce_split,
     count_parameters,
     load_config,
     rank_state_bytes,
+    ranks_per_level,
     trained_params,
     with_lora,
 )
@@ -130,7 +130,7 @@ def plan_layout(m: ModelCounts, gpus: int, dp: int, ep: int, memory_bytes: int, 
     w, g, o = RECIPES[recipe]
     rank0 = rank_state_bytes(m, dp, ep, 0, recipe, optimizer_sharding, dense_sharding)  # rank 0 holds the most
     held = rank0["params"]
-    act, act_ckpt = _activations(m, batch, seq)
+    act, act_ckpt = activation_bytes(m, batch, seq)
     state = rank0["weight_bytes"] + rank0["grad_bytes"] + rank0["optimizer_bytes"]
     dense, expert = trained_params(m)  # the parameters whose gradients are reduced
     dense_ar = 2 * (gpus - 1) / gpus * dense * g if gpus > 1 else 0
@@ -156,11 +156,11 @@ def _comm_split(gpus: int, dp: int, ep: int, topo: Topology, dense_bytes: float,
                 a2a_routed: float) -> dict[str, float]:
     """Per-GPU bytes per step by link level: dense all-reduce over the world, expert all-reduce over an
     EDP group (ranks ``{r + i·ep}``), all-to-all over an EP group (ranks ``0..ep−1``)."""
-    out = _allreduce_split(topo, list(range(gpus)), dense_bytes)
-    for level, b in _allreduce_split(topo, [i * ep for i in range(dp)], expert_bytes).items():
+    out = allreduce_split(topo, list(range(gpus)), dense_bytes)
+    for level, b in allreduce_split(topo, [i * ep for i in range(dp)], expert_bytes).items():
         out[level] += b
     if ep > 1:
-        g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
+        g, in_rack, _, _ = ranks_per_level(topo, list(range(ep)))
         out["intra_node"] += a2a_routed * (g - 1) / ep
         out["inter_node"] += a2a_routed * (in_rack - g) / ep
         out["cross_rack"] += a2a_routed * (ep - in_rack) / ep

@@ -100,7 +100,7 @@ from ..dispatch.cost import (
 )
 from ..errors import HybridEPConfigError
 from ..parallel.topology import Topology
-from .counts import RECIPES, ModelCounts, _allreduce_split, _ranks_per, rank_state_bytes, trained_params
+from .counts import RECIPES, ModelCounts, allreduce_split, rank_state_bytes, ranks_per_level, trained_params
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak, FLOP/s (H100 SXM)
 H100_MEMORY_GBPS = 3350.0  # HBM3, GB/s (H100 SXM)
@@ -163,7 +163,8 @@ class StepTime:
     exchange_memory_s: float = 0.0  # those bytes at the device's memory bandwidth
 
 
-def _levels(value: float = 0.0) -> Levels:
+def zero_levels(value: float = 0.0) -> Levels:
+    """``value`` at every link level."""
     return dict.fromkeys(LINK_LEVELS, value)
 
 
@@ -297,7 +298,7 @@ def _compute_terms(counts: ModelCounts, tokens: int, seq_len: int, activation_ch
 
 def exchange_shape(counts: ModelCounts, topo: Topology, ep: int, b_a: int) -> ExchangeShape:
     """One MoE layer's token exchange on a rank of the EP group ``0..ep−1`` (activations of ``b_a`` bytes)."""
-    g, in_rack, _, _ = _ranks_per(topo, list(range(ep)))
+    g, in_rack, _, _ = ranks_per_level(topo, list(range(ep)))
     return ExchangeShape(counts.num_experts, counts.top_k, ep, g, in_rack, counts.hidden, b_a)
 
 
@@ -341,8 +342,8 @@ def _reduction_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_g:
     dense_factor = 0.5 if optimizer_sharding == "zero1" or dense_sharding == "fsdp" else 1.0
     expert_factor = 0.5 if optimizer_sharding == "zero1" else 1.0
     dense, expert = trained_params(counts)
-    dense_grad = _scaled(_allreduce_split(topo, world_ranks, dense * b_g), dense_factor)
-    expert_grad = _scaled(_allreduce_split(topo, edp_ranks, expert / ep * b_g), expert_factor)
+    dense_grad = _scaled(allreduce_split(topo, world_ranks, dense * b_g), dense_factor)
+    expert_grad = _scaled(allreduce_split(topo, edp_ranks, expert / ep * b_g), expert_factor)
     reduce_by_level = _seconds({lv: dense_grad[lv] + expert_grad[lv] for lv in LINK_LEVELS}, topo)
     reduce_s = sum(reduce_by_level.values())
     reduce_hidden = min(reduce_s, window)
@@ -355,16 +356,16 @@ def _gather_terms(counts: ModelCounts, topo: Topology, dp: int, ep: int, b_w: in
                   optimizer_sharding: str, dense_sharding: str) -> dict[str, Any]:
     """ZeRO-1's parameter all-gather after the step; FSDP2's weight gathers every micro-batch."""
     world_ranks, edp_ranks = list(range(dp * ep)), [i * ep for i in range(dp)]
-    zero_dense, zero_expert = _levels(), _levels()
+    zero_dense, zero_expert = zero_levels(), zero_levels()
     dense, expert = trained_params(counts)
     if optimizer_sharding == "zero1":
         if dense_sharding == "replicate":
-            zero_dense = _scaled(_allreduce_split(topo, world_ranks, dense * b_w), 0.5)
-        zero_expert = _scaled(_allreduce_split(topo, edp_ranks, expert / ep * b_w), 0.5)
+            zero_dense = _scaled(allreduce_split(topo, world_ranks, dense * b_w), 0.5)
+        zero_expert = _scaled(allreduce_split(topo, edp_ranks, expert / ep * b_w), 0.5)
     zero_s = sum(_seconds({lv: zero_dense[lv] + zero_expert[lv] for lv in LINK_LEVELS}, topo).values())
-    fsdp = _levels()
+    fsdp = zero_levels()
     if dense_sharding == "fsdp":
-        fsdp = _scaled(_allreduce_split(topo, world_ranks, counts.dense_params * b_w), 0.5 * 2 * micro_batches)
+        fsdp = _scaled(allreduce_split(topo, world_ranks, counts.dense_params * b_w), 0.5 * 2 * micro_batches)
     return {"zero1_dense_gather_bytes": zero_dense, "zero1_expert_gather_bytes": zero_expert, "zero1_gather_s": zero_s,
             "fsdp_gather_bytes": fsdp, "fsdp_gather_s": sum(_seconds(fsdp, topo).values())}
 

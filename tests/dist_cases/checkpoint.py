@@ -223,7 +223,7 @@ def save_right_after_step(directory: str, dp: int, ep: int) -> dict:
     (gathers still pending, no forward in between) hold the updated parameters."""
     from transformers import AutoModelForCausalLM
 
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build("mixtral", 4)
@@ -310,7 +310,7 @@ def save_costs(directory: str, write_delay: float) -> dict:
     from tiny_models import build_tiny_model
 
     from hf_hybrid_ep.checkpoint import safetensors_io
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
     from hf_hybrid_ep.parallel import heartbeat
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -347,8 +347,8 @@ def save_costs(directory: str, write_delay: float) -> dict:
 def resume_another_model(directory: str) -> dict:
     """A checkpoint of a 4-expert model resumed into an 8-expert one (EP 2: rank 1's experts 4–7 are not in it):
     every rank refuses with the same message, before reading a weight."""
-    from hf_hybrid_ep.checkpoint.load import load_checkpoint_into_
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.model_io.rank_local import load_checkpoint_into_
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     small, _ = _build("qwen3_moe", 4)
     hep.parallelize(small, hep.HybridEPConfig(ep_degree=dist.get_world_size()))

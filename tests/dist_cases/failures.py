@@ -162,7 +162,7 @@ def nonfinite_steps(policy: str = "skip", max_consecutive: int = 2, bad_rank: in
 def save_refuses_nonfinite(directory: str) -> dict:
     """A good checkpoint, then a NaN in one expert row on the last rank: the second save is refused on every rank,
     naming the tensor, and the first checkpoint stays as it was."""
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, _ = _build("qwen3_moe", 4)

@@ -65,7 +65,7 @@ def group_creation_calls(dp: int, ep: int, sets: list[tuple[int, ...]]) -> list[
 def save_and_reload_placement(directory: str, placement: list[list[int]] | dict[str, list[list[int]]]) -> dict:
     """Save a model parallelized with ``placement`` (one table or per layer); reload it with no placement
     in the config."""
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     model, ref = _build("mixtral", 4)
     hep.parallelize(model, hep.HybridEPConfig(dp_degree=1, ep_degree=2, placement=placement))
@@ -80,7 +80,7 @@ def save_and_reload_placement(directory: str, placement: list[list[int]] | dict[
 def rebalance_then_save(directory: str) -> dict:
     """Train 2 steps with a rebalance after each (replicas: new slot counts), save, reload the checkpoint at
     EP 1 (every expert on every rank) and compare every tensor with the trained model's full state."""
-    from hf_hybrid_ep.checkpoint.save import save_hybrid_checkpoint
+    from hf_hybrid_ep.model_io.save import save_hybrid_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build("mixtral", 4)

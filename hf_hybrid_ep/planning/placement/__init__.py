@@ -62,7 +62,7 @@ from .coactivation import coactivation_placement
 from .eplb import eplb_placement
 from .packing import balanced_placement, hierarchical_placement, imbalance, rank_loads
 from .stats import RoutingStats, read_placement_file
-from .traffic import _levels, _sum_traffic, expected_traffic, trace_traffic
+from .traffic import expected_traffic, rank_levels, sum_traffic, trace_traffic
 
 
 def fit_placement(stats: RoutingStats, ep_degree: int, topology: Topology | str | None = None, replicas: int = 0,
@@ -123,7 +123,7 @@ def place_layers(records: Sequence[Mapping], ep_degree: int, replicas: int = 0, 
         layers[name] = {"imbalance_contiguous": imbalance(rank_loads(stats.loads, contiguous)),
                         "imbalance_one_table": imbalance(rank_loads(stats.loads, one)),
                         "imbalance_per_layer": imbalance(loads)}
-    result["per_layer"] = {"imbalance": imbalance(rank_sum), "traffic": _sum_traffic(traffic),
+    result["per_layer"] = {"imbalance": imbalance(rank_sum), "traffic": sum_traffic(traffic),
                            "worst_layer_imbalance": max(v["imbalance_per_layer"] for v in layers.values())}
     result["layers"] = layers
     result["placement"] = {n: [list(r) for r in t.rows] for n, t in tables.items()} if per_layer else [
@@ -141,7 +141,7 @@ def align_rows(new: PlacementTable, old: PlacementTable, topology: Topology | st
     """
     if new.ep_degree != old.ep_degree:
         raise HybridEPConfigError(f"tables over {new.ep_degree} and {old.ep_degree} EP ranks cannot be aligned")
-    node, rack = _levels(new.ep_degree, topology)
+    node, rack = rank_levels(new.ep_degree, topology)
     rows = [list(r) for r in new.rows]
 
     def overlap(a: Sequence[int], b: Sequence[int]) -> int:

@@ -8,9 +8,9 @@ import numpy as np
 from ...dispatch.table import PlacementTable
 from ...errors import HybridEPConfigError
 from ...parallel.topology import Topology
-from .packing import _pack_level, _polish, hierarchical_placement, rank_loads
+from .packing import hierarchical_placement, pack_level, polish, rank_loads
 from .stats import RoutingStats
-from .traffic import _levels, expected_traffic
+from .traffic import expected_traffic, rank_levels
 
 
 def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topology | str | None,
@@ -29,7 +29,7 @@ def coactivation_placement(stats: RoutingStats, ep_degree: int, topology: Topolo
                                   "(train with coactivation_stats=True)")
     topo = Topology.of(topology)
     start = hierarchical_placement(stats.loads, ep_degree, topo, replicas)
-    node_of_rank, rack_of_rank = _levels(ep_degree, topo)
+    node_of_rank, rack_of_rank = rank_levels(ep_degree, topo)
     if int(node_of_rank.max()) + 1 == 1:
         return start  # one node: every placement moves the same bytes across nodes (none)
     search = CoactivationSearch(stats, start, topo, node_of_rank, rack_of_rank, tolerance, max_swaps)
@@ -96,9 +96,9 @@ class CoactivationSearch:
         items = [(float(self.item_load[i]), int(self.expert[i])) for i in members]
         best = None
         for order in ("load", "copies"):
-            bins = _pack_level(items, self.g, self.slots, 1, order)
+            bins = pack_level(items, self.g, self.slots, 1, order)
             if bins is not None:
-                rows = _polish([[e for _, e in b] for b in bins], self.per_copy)
+                rows = polish([[e for _, e in b] for b in bins], self.per_copy)
                 peak = max(sum(self.per_copy[e] for e in r) for r in rows)
                 if best is None or peak < best[0]:
                     best = (peak, rows)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ...dispatch.table import PlacementTable
 from ...errors import HybridEPConfigError
-from .packing import _check_slots, _pack_level, _replica_counts
+from .packing import check_slots, pack_level, replica_counts
 
 
 def eplb_placement(loads: Sequence[float], ep_degree: int, num_nodes: int = 1, replicas: int = 0,
@@ -22,7 +22,7 @@ def eplb_placement(loads: Sequence[float], ep_degree: int, num_nodes: int = 1, r
        two copies of one expert never share a GPU (a placement table row lists an expert once).
     """
     E = len(loads)
-    per_rank = _check_slots(E, ep_degree, replicas)
+    per_rank = check_slots(E, ep_degree, replicas)
     num_groups = E if num_groups is None else num_groups
     if ep_degree % num_nodes or E % num_groups or num_groups % num_nodes or (E + replicas) % num_nodes:
         num_nodes, num_groups = 1, 1  # EPLB's global policy
@@ -41,10 +41,10 @@ def eplb_placement(loads: Sequence[float], ep_degree: int, num_nodes: int = 1, r
         experts = sorted(e for g in node_groups[n] for e in range(g * size, (g + 1) * size))
         slots = (E + replicas) // num_nodes
         local = [loads[e] for e in experts]
-        counts = _replica_counts(local, slots - len(experts), gpus_per_node)
+        counts = replica_counts(local, slots - len(experts), gpus_per_node)
         items = sorted(((local[i] / counts[i], experts[i]) for i in range(len(experts)) for _ in range(counts[i])),
                        key=lambda x: (-x[0], x[1]))
-        bins = _pack_level(items, gpus_per_node, per_rank, 1, "load")
+        bins = pack_level(items, gpus_per_node, per_rank, 1, "load")
         if bins is None:
             raise HybridEPConfigError("EPLB: could not place the replicas on distinct GPUs")
         rows.extend([[e for _, e in b] for b in bins])

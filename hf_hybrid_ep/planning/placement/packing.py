@@ -29,7 +29,7 @@ def imbalance(values: Sequence[float]) -> float:
     return max(values) / mean if mean > 0 else 1.0
 
 
-def _replica_counts(loads: Sequence[float], replicas: int, limit: int) -> list[int]:
+def replica_counts(loads: Sequence[float], replicas: int, limit: int) -> list[int]:
     """Give each extra copy to the expert with the largest per-copy load (at most ``limit`` copies)."""
     copies = [1] * len(loads)
     for _ in range(replicas):
@@ -39,7 +39,13 @@ def _replica_counts(loads: Sequence[float], replicas: int, limit: int) -> list[i
     return copies
 
 
-def _check_slots(num_experts: int, ep_degree: int, replicas: int) -> int:
+def check_slots(num_experts: int, ep_degree: int, replicas: int) -> int:
+    """The slots per EP rank of ``num_experts`` experts plus ``replicas`` extra copies over ``ep_degree`` ranks.
+
+    Raises:
+        HybridEPConfigError: naming the values, for negative ``replicas``, slots that do not divide over the
+            ranks, or more replicas than the ranks can hold distinctly.
+    """
     slots_total = num_experts + replicas
     if replicas < 0:
         raise HybridEPConfigError(f"replicas={replicas} must be ≥ 0")
@@ -73,7 +79,7 @@ def _group_sizes(ep_degree: int, topology: Topology | None) -> list[int]:
     return [s for s in sizes if s > 1] or [1]
 
 
-def _pack_level(items: list[tuple[float, int]], groups: int, slots: int, same_limit: int,
+def pack_level(items: list[tuple[float, int]], groups: int, slots: int, same_limit: int,
                 order: str) -> list[list[tuple[float, int]]] | None:
     """Greedy longest-processing-time packing of (load, expert) copies into ``groups`` bins of ``slots``
     items each, at most ``same_limit`` copies of one expert per bin."""
@@ -102,7 +108,7 @@ def _pack(items: list[tuple[float, int]], sizes: list[int], order: str) -> list[
     if len(sizes) == 1 and sizes[0] == 1:
         return [[e for _, e in items]]
     groups, below = sizes[0], int(np.prod(sizes[1:])) if len(sizes) > 1 else 1
-    bins = _pack_level(items, groups, len(items) // groups, below, order)
+    bins = pack_level(items, groups, len(items) // groups, below, order)
     if bins is None:
         return None
     if len(sizes) == 1:
@@ -116,7 +122,7 @@ def _pack(items: list[tuple[float, int]], sizes: list[int], order: str) -> list[
     return rows
 
 
-def _polish(rows: list[list[int]], per_copy: Sequence[float], groups: Sequence[int] | None = None,
+def polish(rows: list[list[int]], per_copy: Sequence[float], groups: Sequence[int] | None = None,
             max_iters: int = 1000) -> list[list[int]]:
     """Swap copies between the most loaded rank and another (of the same group when ``groups`` is
     given) while the maximum rank load drops; rows keep their sizes and distinct experts."""
@@ -154,10 +160,10 @@ def hierarchical_placement(loads: Sequence[float], ep_degree: int, topology: Top
 
     ``topology=None`` packs directly onto ranks (one level)."""
     num_experts = len(loads)
-    _check_slots(num_experts, ep_degree, replicas)
+    check_slots(num_experts, ep_degree, replicas)
     topo = None if topology is None else Topology.of(topology)
     sizes = _group_sizes(ep_degree, topo)
-    copies = _replica_counts(loads, replicas, ep_degree)
+    copies = replica_counts(loads, replicas, ep_degree)
     items = [(loads[e] / copies[e], e) for e in range(num_experts) for _ in range(copies[e])]
     best, best_value = None, float("inf")
     per_copy = [loads[e] / copies[e] for e in range(num_experts)]
@@ -165,7 +171,7 @@ def hierarchical_placement(loads: Sequence[float], ep_degree: int, topology: Top
         rows = _pack(items, sizes, order)
         if rows is None:
             continue
-        rows = _polish(rows, per_copy)
+        rows = polish(rows, per_copy)
         table = PlacementTable.from_rows(num_experts, rows)
         value = imbalance(rank_loads(loads, table))
         if value < best_value - 1e-12:

@@ -14,7 +14,7 @@ from ...parallel.topology import Topology
 from .stats import RoutingStats
 
 
-def _levels(ep_degree: int, topology: Topology | str | None) -> tuple[np.ndarray, np.ndarray]:
+def rank_levels(ep_degree: int, topology: Topology | str | None) -> tuple[np.ndarray, np.ndarray]:
     """Node and rack of every EP rank of one EP group (ranks ``0 … ep−1``)."""
     topo = Topology.of(topology)
     ranks = np.arange(ep_degree)
@@ -53,7 +53,7 @@ def expected_traffic(stats: RoutingStats, table: PlacementTable, topology: Topol
     if table.num_experts != stats.num_experts:
         raise HybridEPConfigError(f"placement has {table.num_experts} experts, the statistics {stats.num_experts}")
     ep = table.ep_degree
-    node, rack = _levels(ep, topology)
+    node, rack = rank_levels(ep, topology)
     P = _destination_probs(table)
     N = stats.loads
     per_dest = np.einsum("e,ser->sr", N, P) / ep  # [src, dest] expected sends
@@ -92,7 +92,7 @@ def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology
     likely to come from each EP rank. With the sources and a table without replicas the result is the
     exact count the deduplicated dispatcher sends."""
     ep = table.ep_degree
-    node, rack = _levels(ep, topology)
+    node, rack = rank_levels(ep, topology)
     P = _destination_probs(table)
     if sources is not None and len(sources) != len(indices):
         raise HybridEPConfigError(f"trace_traffic: {len(sources)} sources for {len(indices)} index arrays")
@@ -121,5 +121,6 @@ def trace_traffic(indices: Sequence[np.ndarray], table: PlacementTable, topology
     return out
 
 
-def _sum_traffic(parts: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+def sum_traffic(parts: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+    """The per-level sums of several traffic reports (a level is ``None`` when one part does not know it)."""
     return {k: None if any(p[k] is None for p in parts) else float(sum(p[k] for p in parts)) for k in parts[0]}

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..checkpoint.format import PER_EXPERT_KEY
+from ..checkpoint.safetensors_io import DTYPE_TO_ST, TensorSpec
 from ..errors import CheckpointError
-from .format import PER_EXPERT_KEY
-from .safetensors_io import DTYPE_TO_ST, TensorSpec
 
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightConverter

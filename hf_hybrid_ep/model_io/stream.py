@@ -3,7 +3,7 @@
 Every rank derives the same schedule from the model, without a collective: the modules in order, and the
 checkpoint keys each module's tensors are saved as (the model's original key format: transformers' reverse
 weight conversion, applied to meta tensors of the full shapes), laid out in files as conversion lays them
-out (:class:`~hf_hybrid_ep.checkpoint.convert.ShardFileMap`). Then module by module: a dense module's
+out (:class:`~hf_hybrid_ep.checkpoint.rewrite.WeightFileMap`). Then module by module: a dense module's
 tensors are read on rank 0 (FSDP2-sharded ones assembled over the world first); an MoE layer's experts are
 all-gathered over rank 0's EP group one parameter at a time, into host memory on rank 0. Rank 0 reverts
 them to the checkpoint keys and writes them at their offsets in the files (their headers are written up
@@ -16,21 +16,22 @@ config, side state) alone while the others follow its beats: no rank waits long 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..checkpoint.format import FileInfo
+from ..checkpoint.manifest import save_metadata
+from ..checkpoint.rewrite import WeightFileMap
+from ..checkpoint.safetensors_io import StreamingSafetensorsWriter, TensorSpec, nonfinite_count, sha256_file
+from ..engine import expert_layers, mesh_of
 from ..engine.model_io import gather_scratch, host_tensors, savable_state
-from ..engine.state import state_of
 from ..errors import CheckpointError
 from ..moe.layer import ShardedExperts
 from ..parallel.heartbeat import FAILED, WORKING, Heartbeat
-from .convert import ShardFileMap
-from .format import FileInfo
-from .keys import ModelExperts
-from .manifest import save_metadata
-from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, nonfinite_count, sha256_file
+from .names import expert_key_layers
 from .side_state import save_side_state
 
 
@@ -80,7 +81,7 @@ class SaveSchedule:
 
     @classmethod
     def of(cls, model: nn.Module, tensors: dict[str, torch.Tensor]) -> SaveSchedule:
-        units = _units(tensors, state_of(model).layers)
+        units = _units(tensors, expert_layers(model))
         keys, specs = [], {}
         for unit in units:
             reverted = _revert(model, {n: _full_meta(n, tensors[n], unit) for n in unit.names})
@@ -146,13 +147,14 @@ def stream_model_files(model: nn.Module, directory: Path, save_id: str, beat: He
     """Write ``model`` into the existing (staging) ``directory``, the same path on every rank: weight files
     laid out for the model's EP degree and placement, the index, config files and the side state.
     Collective; rank 0 writes."""
-    state = state_of(model)
+    layers = expert_layers(model)
     tensors = savable_state(model)
     schedule = SaveSchedule.of(model, tensors)
-    experts = ModelExperts(model.config.model_type, state.layers[0].num_experts, len(state.layers), model)
-    file_map = ShardFileMap(experts, {layer.name: layer.table for layer in state.layers})
+    tables = {layer.name: layer.table for layer in layers}
+    file_map = WeightFileMap(layers[0].num_experts, len(layers), tables,
+                             partial(expert_key_layers, model, tables=tables))
     files = beat.alone(lambda: _Files(directory, file_map.assign(schedule.specs), save_id))  # None but on rank 0
-    scratch = gather_scratch(model) if state.mesh.edp_rank == 0 else None  # every expert parameter passes through
+    scratch = gather_scratch(model) if mesh_of(model).edp_rank == 0 else None  # every expert parameter passes through
     failure, poisoned = None, []
     try:
         for unit, keys in zip(schedule.units, schedule.keys, strict=True):
@@ -186,7 +188,7 @@ def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, t in tensors.items() if nonfinite_count(t)]
 
 
-def _finish(model: nn.Module, directory: Path, files: _Files, file_map: ShardFileMap, total: int, save_id: str) -> None:
+def _finish(model: nn.Module, directory: Path, files: _Files, file_map: WeightFileMap, total: int, save_id: str) -> None:
     """Rank 0: close and checksum the files, then the index, config files and side state."""
     file_map.finish(directory, dict(files.file_of), files.close(), total)
     _save_config(model, directory)

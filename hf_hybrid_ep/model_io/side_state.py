@@ -14,15 +14,14 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..engine.state import state_of
-from .manifest import CheckpointVerifier, save_metadata
-
-SIDE_FILE = "hybrid_ep_state.safetensors"
+from ..checkpoint.format import SIDE_FILE
+from ..checkpoint.manifest import CheckpointVerifier, save_metadata
+from ..engine import expert_layers
 
 
 def _biased_layers(model: nn.Module) -> list:
 
-    return [layer for layer in state_of(model).layers
+    return [layer for layer in expert_layers(model)
             if layer.controls is not None and layer.controls.selection_bias is not None]
 
 

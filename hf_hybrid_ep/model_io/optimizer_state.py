@@ -27,7 +27,7 @@ from ..checkpoint.atomic import open_checkpoint
 from ..checkpoint.format import OPTIMIZER_META_NAME, OPTIMIZER_TENSORS_NAME
 from ..checkpoint.manifest import save_metadata
 from ..checkpoint.safetensors_io import write_point
-from ..engine.state import state_of
+from ..engine import expert_layers, mesh_of
 from ..parallel.heartbeat import Heartbeat
 from ..parallel.mesh import is_dtensor
 from ..parallel.zero import ShardedOptimizer, groups_by_param, scalar_state
@@ -41,7 +41,7 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def _expert_layers(model: nn.Module) -> dict[int, object]:
-    return {id(p): layer for layer in state_of(model).layers for p in layer.slot_parameters()}
+    return {id(p): layer for layer in expert_layers(model) for p in layer.slot_parameters()}
 
 
 def _model_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
@@ -84,7 +84,7 @@ def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
     _refuse_dtensors(model)
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     names, experts = _names(model), _expert_layers(model)
-    mesh = state_of(model).mesh
+    mesh = mesh_of(model)
     keep = mesh.rank == 0  # rank 0 writes; only its EP group gathers expert state, one tensor at a time
     states = _param_states(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}

@@ -11,20 +11,19 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.state import state_of
+from ..checkpoint.atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
+from ..checkpoint.format import INDEX_NAME, SIDE_FILE
+from ..checkpoint.manifest import read_manifest, write_manifest
+from ..checkpoint.safetensors_io import write_point
+from ..engine import mesh_of
 from ..parallel.heartbeat import Heartbeat
 from ..parallel.watchdog import watched
-from .atomic import claim, fsync_dir, fsync_tree, new_save_id, release, staged_save
-from .format import INDEX_NAME
-from .manifest import read_manifest, write_manifest
-from .safetensors_io import write_point
-from .side_state import SIDE_FILE
 from .stream import stream_model_files
 
 
 def broadcast_save(model: nn.Module, value: object) -> object:
     """Rank 0's ``value`` on every rank of the model's world (the staging path of a save)."""
-    mesh = state_of(model).mesh
+    mesh = mesh_of(model)
     if mesh.world_group is None:
         return value
     box = [value]
@@ -40,7 +39,7 @@ def rank_zero_save(model: nn.Module, stage: Callable[[], AbstractContextManager[
     id)``, putting the save in place when it exits cleanly); every rank gets rank 0's pair. On a clean exit
     rank 0 puts the save in place while the other ranks follow its heartbeat, so none waits in one long
     collective however long that takes (checksums, fsync); every rank returns once it is in place."""
-    mesh = state_of(model).mesh
+    mesh = mesh_of(model)
     beat = Heartbeat(mesh)
     stack = ExitStack()
     try:
@@ -57,7 +56,7 @@ def write_model_files(model: nn.Module, directory: Path, save_id: str) -> None:
     """Write the model into the existing (staging) ``directory``: weight shards for the model's EP degree
     and placement, config files, the side state, streamed one module at a time (:mod:`.stream`).
     Collective: rank 0 writes; ``directory`` must be the same path on every rank."""
-    stream_model_files(model, directory, save_id, Heartbeat(state_of(model).mesh))
+    stream_model_files(model, directory, save_id, Heartbeat(mesh_of(model)))
 
 
 def _replaceable(directory: Path) -> bool:
@@ -87,9 +86,10 @@ def save_hybrid_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str])
     in the index, so loading puts the same experts on the same ranks). Collective.
 
     ``output_dir`` absent, empty or holding only an earlier checkpoint: the checkpoint is staged beside
-    it and put in place atomically (:mod:`.atomic`). ``output_dir`` holding other things too (a run
-    directory with ``checkpoint-*`` inside): the staged files are moved in, weights first and the index
-    last, and a crash in between leaves files of two saves, which every loader refuses, naming them.
+    it and put in place atomically (:mod:`hf_hybrid_ep.checkpoint.atomic`). ``output_dir`` holding other
+    things too (a run directory with ``checkpoint-*`` inside): the staged files are moved in, weights first
+    and the index last, and a crash in between leaves files of two saves, which every loader refuses,
+    naming them.
     """
     output_dir = Path(output_dir)
 

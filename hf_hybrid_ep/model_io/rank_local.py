@@ -13,37 +13,33 @@ import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..checkpoint.atomic import open_checkpoint
+from ..checkpoint.dequantize import DEFAULT_DTYPE, Dequantizer, Quantization
+from ..checkpoint.format import INDEX_NAME, PER_EXPERT_KEY, read_weight_map
+from ..checkpoint.manifest import CheckpointVerifier
+from ..checkpoint.reader import CheckpointReader
 from ..config import HybridEPConfig
+from ..engine import config_of, expert_layers, mesh_of
 from ..engine.adapters import is_peft_model
 from ..engine.failures import agree_on_failure
-from ..engine.state import state_of
 from ..errors import CheckpointError, HybridEPConfigError
 from ..moe.discovery import unwrapped_name
 from ..moe.layer import ShardedExperts
-from ..parallel.devices import rank_device
-from ..parallel.mesh import default_device_type
-from .adapters import adapter_directory, check_fresh_init, init_adapters_, load_adapter_, read_adapter_config
-from .atomic import open_checkpoint
-from .convert import hub_metadata
-from .dequantize import DEFAULT_DTYPE, Dequantizer, Quantization, quantization_of
-from .format import INDEX_NAME, PER_EXPERT_KEY, SINGLE_NAME, safe_member
-from .keys import build_meta_model, model_tensor_names, read_config
-from .manifest import CheckpointVerifier
-from .safetensors_io import TensorFiles, read_header
+from .names import model_tensor_names
 from .side_state import load_side_state
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Target:
+class TensorRecipe:
     """How one model tensor is assembled from checkpoint keys."""
 
     converter: object | None = None
@@ -52,18 +48,9 @@ class _Target:
     direct: str | None = None  # a key loaded as is
     rows: list[int] | None = None  # fused expert tensor: the global expert rows this rank reads
 
-
-def _weight_map(root: Path) -> dict[str, str]:
-    index = root / INDEX_NAME
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err}") from err
-    if (root / SINGLE_NAME).is_file():
-        specs, _ = read_header(root / SINGLE_NAME)
-        return {k: SINGLE_NAME for k in specs}
-    raise CheckpointError(f"{str(root)!r} has neither {INDEX_NAME} nor {SINGLE_NAME} (weights load from safetensors only)")
+    def for_slot(self, slot: int) -> TensorRecipe:
+        """The recipe of the one expert in local slot ``slot`` of a converter's per-expert keys."""
+        return TensorRecipe(self.converter, {pattern: [keys[slot]] for pattern, keys in self.sources.items()})
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:
@@ -71,7 +58,7 @@ def _transformers_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, _Target]:
+def tensor_recipes(model: nn.Module, layers: list[ShardedExperts], weight_map: dict[str, str]) -> dict[str, TensorRecipe]:
     """Map every model tensor this rank needs to the checkpoint keys it is made of (tensor names as the
     checkpoint's model has them: inside a ``PeftModel``, without PEFT's wrappers)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -80,7 +67,7 @@ def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_ma
     model = _transformers_model(model)
     converters = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
     by_module = {unwrapped_name(layer.name): layer for layer in layers}
-    targets: dict[str, _Target] = defaultdict(_Target)
+    targets: dict[str, TensorRecipe] = defaultdict(TensorRecipe)
     for key, (name, pattern) in sorted(model_tensor_names(model, weight_map).items()):
         module_name, _, param = name.rpartition(".")
         layer = by_module.get(module_name)
@@ -105,34 +92,9 @@ def rank_local_targets(model: nn.Module, layers: list[ShardedExperts], weight_ma
     return dict(targets)
 
 
-class _Reader(TensorFiles):
-    """Opens each needed file once, checked first; reads whole tensors or row subsets of fused tensors,
-    dequantized where the checkpoint is quantized (only the rows asked for)."""
-
-    def __init__(self, root: Path, weight_map: dict[str, str], fetch: Callable[[str], Path] | None = None,
-                 verifier: CheckpointVerifier | None = None, dequantizer: Dequantizer | None = None) -> None:
-        super().__init__(weight_map, self._path)
-        self.root, self.fetch, self.verifier = root, fetch, verifier
-        self.dequantizer = dequantizer or Dequantizer(None, weight_map)
-
-    def _path(self, name: str) -> Path:
-        member = safe_member(self.root, name, INDEX_NAME)
-        path = self.fetch(name) if self.fetch is not None else member
-        _, metadata = read_header(path)  # a clear error for a missing or truncated file
-        if self.verifier is not None:
-            self.verifier.check(name, path, metadata)
-        return path
-
-    def tensor(self, key: str) -> torch.Tensor:
-        return self.dequantizer.read(self, key)
-
-    def rows(self, key: str, rows: list[int]) -> torch.Tensor:
-        if rows == list(range(rows[0], rows[-1] + 1)):
-            return self.dequantizer.read(self, key, slice(rows[0], rows[-1] + 1))
-        return torch.cat([self.dequantizer.read(self, key, slice(r, r + 1)) for r in rows])
-
-
-def _assemble(name: str, target: _Target, reader: _Reader, model: nn.Module) -> torch.Tensor:
+def assemble(name: str, target: TensorRecipe, reader: CheckpointReader, model: nn.Module) -> torch.Tensor:
+    """Model tensor ``name`` of ``model`` (a transformers model) read by ``reader`` as ``target`` says: a key as it
+    is, this rank's rows of a fused tensor, or the keys a converter of the model's conversion mapping combines."""
     if target.converter is None:
         if target.rows is not None:
             return reader.rows(target.direct, target.rows)
@@ -169,6 +131,52 @@ def _checkpoint_named(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[s
     return params, buffers, named
 
 
+def fill_tensors_(model: nn.Module, recipes: dict[str, TensorRecipe], reader: CheckpointReader, *,
+                  skip: Collection[str] = (), device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None, keep_model_dtypes: bool = False) -> None:
+    """Fill ``model``'s parameters and buffers from ``reader`` one tensor at a time, each as its recipe says (names
+    as the checkpoint's model has them: inside a ``PeftModel``, without PEFT's wrappers), all but those in
+    ``skip``: meta parameters are replaced (on ``device``, default the CPU; floating-point tensors in ``dtype``,
+    default the checkpoint's, or with ``keep_model_dtypes`` in the dtype the model gave each parameter), live
+    ones (a resume) and buffers are copied into in place; then the model's tied weights are tied again. Recipes
+    of tensors the model lacks are logged and not read.
+
+    Raises:
+        CheckpointError: naming a tensor whose shape in the checkpoint is not the model's, before it is placed.
+    """
+    params, buffers, named = _checkpoint_named(model)
+    unexpected = sorted(set(recipes) - set(params) - set(buffers))
+    if unexpected:
+        logger.warning("checkpoint tensors with no model parameter (ignored): %s", unexpected[:10])
+    with torch.no_grad():
+        for name, target in sorted(recipes.items()):
+            if name in skip or (name not in params and name not in buffers):
+                continue
+            value = assemble(name, target, reader, _transformers_model(model))
+            current = params.get(name, buffers.get(name))
+            if tuple(value.shape) != tuple(current.shape):
+                raise CheckpointError(
+                    f"checkpoint tensor for {name!r} has shape {tuple(value.shape)}, the model expects "
+                    f"{tuple(current.shape)}"
+                )
+            if name in buffers:
+                buffers[name].copy_(value.to(buffers[name].dtype))
+                continue
+            if not current.is_meta:  # loading into a live model (resume): keep the parameter objects
+                current.data.copy_(value.to(current.dtype))
+                continue
+            if keep_model_dtypes:
+                value = value.to(current.dtype)
+            elif dtype is not None and value.dtype.is_floating_point:
+                value = value.to(dtype)
+            module_name, _, leaf = named[name].rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[leaf] = nn.Parameter(value.to(device) if device is not None else value,
+                                                    requires_grad=current.requires_grad)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
 def load_rank_local_(
     root: Path,
     model: nn.Module,
@@ -191,39 +199,11 @@ def load_rank_local_(
     :func:`open_checkpoint` of ``root`` with sha256 on) against the index's manifest.
     """
     verifier = verifier or open_checkpoint(root, local=fetch is None)
-    weight_map = _weight_map(root)
+    weight_map = read_weight_map(root)
     dequantizer = Dequantizer(quantization, weight_map, dtype or DEFAULT_DTYPE)
-    targets = rank_local_targets(model, layers, dequantizer.weight_map(weight_map))
-    reader = _Reader(root, weight_map, fetch, verifier, dequantizer)
-    params, buffers, named = _checkpoint_named(model)
-    unexpected = sorted(set(targets) - set(params) - set(buffers))
-    if unexpected:
-        logger.warning("checkpoint tensors with no model parameter (ignored): %s", unexpected[:10])
-    with torch.no_grad():
-        for name, target in sorted(targets.items()):
-            if name not in params and name not in buffers:
-                continue
-            value = _assemble(name, target, reader, _transformers_model(model))
-            current = params.get(name, buffers.get(name))
-            if tuple(value.shape) != tuple(current.shape):
-                raise CheckpointError(
-                    f"checkpoint tensor for {name!r} has shape {tuple(value.shape)}, the model expects "
-                    f"{tuple(current.shape)}"
-                )
-            if name in buffers:
-                buffers[name].copy_(value.to(buffers[name].dtype))
-                continue
-            if not current.is_meta:  # loading into a live model (resume): keep the parameter objects
-                current.data.copy_(value.to(current.dtype))
-                continue
-            if dtype is not None and value.dtype.is_floating_point:
-                value = value.to(dtype)
-            module_name, _, leaf = named[name].rpartition(".")
-            module = model.get_submodule(module_name)
-            module._parameters[leaf] = nn.Parameter(value.to(device) if device is not None else value,
-                                                    requires_grad=current.requires_grad)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    recipes = tensor_recipes(model, layers, dequantizer.weight_map(weight_map))
+    reader = CheckpointReader(root, weight_map, fetch, verifier, dequantizer)
+    fill_tensors_(model, recipes, reader, device=device, dtype=dtype)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
@@ -265,11 +245,11 @@ def load_checkpoint_into_(root: str | os.PathLike[str], model: nn.Module, verify
 
     def load() -> None:
         check_same_model(root, model)
-        verifier = open_checkpoint(root, verify=state_of(model).config.verify_checksums if verify is None else verify)
-        load_rank_local_(Path(root), model, state_of(model).layers, verifier=verifier)
+        verifier = open_checkpoint(root, verify=config_of(model).verify_checksums if verify is None else verify)
+        load_rank_local_(Path(root), model, expert_layers(model), verifier=verifier)
         load_side_state(model, root, verifier)
 
-    agree_on_failure(state_of(model).mesh, load)
+    agree_on_failure(mesh_of(model), load)
 
 
 def checkpoint_placement(root: str | os.PathLike[str]) -> list[list[int]] | dict[str, list[list[int]]] | None:
@@ -316,103 +296,3 @@ def with_checkpoint_placement(config: HybridEPConfig, root: str | os.PathLike[st
                        "experts out contiguously (reshard with --placement to keep a placement)", rows, ep)
         return config
     return dataclasses.replace(config, placement=stored)
-
-
-def _with_peft(model: nn.Module, peft_config, adapter, is_trainable: bool) -> tuple[nn.Module, Path | None]:
-    """``model`` (on the meta device) under PEFT for ``peft_config`` or for the config of the adapter directory
-    ``adapter`` (then also returned), with every adapter parameter on the meta device: nothing is drawn."""
-    if peft_config is None and adapter is None:
-        return model, None
-    if peft_config is not None and adapter is not None:
-        raise HybridEPConfigError("pass peft_config or adapter, not both: an adapter directory carries its config")
-    import copy
-
-    from peft import get_peft_model
-
-    directory = None
-    if getattr(peft_config, "modules_to_save", None):
-        raise HybridEPConfigError("from_pretrained with PEFT does not load modules_to_save; apply get_peft_model to "
-                                  "a model in memory and parallelize it")
-    if adapter is not None:
-        directory = adapter_directory(adapter)
-        peft_config = read_adapter_config(directory)
-        peft_config.inference_mode = not is_trainable
-    else:
-        check_fresh_init(peft_config)
-        peft_config = copy.deepcopy(peft_config)  # PEFT rewrites targets in place
-    with torch.device("meta"):
-        return get_peft_model(model, peft_config), directory
-
-
-def from_pretrained(
-    path: str | os.PathLike[str],
-    config: HybridEPConfig | None = None,
-    *,
-    dtype: torch.dtype | None = None,
-    revision: str | None = None,
-    verify: bool | None = None,
-    trust_remote_code: bool = False,
-    peft_config=None,
-    adapter: str | os.PathLike[str] | None = None,
-    is_trainable: bool = False,
-) -> nn.Module:
-    """Build a hybrid-EP model reading only dense tensors and this rank's experts.
-
-    With ``peft_config`` (a ``peft.LoraConfig``) the model returned is a ``PeftModel`` with fresh adapters
-    (:func:`hf_hybrid_ep.checkpoint.adapters.init_adapters_`); with ``adapter`` (a PEFT adapter directory or Hub
-    repo id) one with that adapter, of whose expert factors a rank reads only its own experts' (trainable
-    with ``is_trainable``, as ``PeftModel.from_pretrained``). Base weights are frozen.
-
-    ``path`` is a hybrid-EP or plain safetensors checkpoint directory, or a Hub repo id. The model is
-    created with parameters on the meta device, sharded by :func:`hf_hybrid_ep.parallelize`, and then
-    filled from the checkpoint, each tensor put on this rank's device as it is read (``cuda:LOCAL_RANK``
-    under NCCL, the CPU under gloo). The placement stored in a hybrid-EP index (per layer or one table) is used when the
-    config gives no explicit table (``placement="contiguous"``, the default) and the layout has its
-    EP degree; at another EP degree the experts are laid out contiguously (logged). Collective: call
-    on every rank.
-
-    A block-FP8 or MXFP4 checkpoint (its config's ``quantization_config``) is dequantized as it is read
-    (to ``dtype``, default bfloat16), of the experts only those this rank holds; the model's config then
-    carries no ``quantization_config``. Other quantization methods are refused before any weight is read.
-
-    Every file a rank reads is checked against the index's manifest first: size and save id always,
-    sha256 unless ``verify=False`` (default: ``config.verify_checksums``, on). No code from the
-    checkpoint runs unless ``trust_remote_code=True``.
-    """
-    from ..engine.setup import parallelize
-
-    fetch = None
-    if Path(path).is_dir():
-        root = Path(path)
-    else:  # a Hub repo: config, index and side files now; weight files only when a needed key is in them
-        from huggingface_hub import hf_hub_download
-
-        root, source, _ = hub_metadata(str(path), revision)
-
-        def fetch(name: str) -> Path:
-            return Path(hf_hub_download(source["repo_id"], name, revision=source["revision"]))
-
-    hf_config = read_config(root, trust_remote_code)
-    quantization = quantization_of(hf_config, str(path))
-    if quantization is not None:  # the model built here is the dequantized one
-        del hf_config.quantization_config
-    config = with_checkpoint_placement(config or HybridEPConfig(), root)
-    verifier = open_checkpoint(root, verify=config.verify_checksums if verify is None else verify,
-                               local=fetch is None)
-    hf_config._name_or_path = str(path)  # what a PEFT adapter saved from this model names as its base
-    model, adapter_dir = _with_peft(build_meta_model(hf_config, trust_remote_code), peft_config, adapter,
-                                    is_trainable)
-    device = rank_device(default_device_type())  # each tensor goes there as it is read
-
-    def materialize(m: nn.Module, layers: list[ShardedExperts]) -> None:
-        if adapter_dir is not None:
-            load_adapter_(m, layers, adapter_dir, device=device)
-        elif peft_config is not None:
-            init_adapters_(m, layers, device=device)
-        load_rank_local_(root, m, layers, dtype, fetch, verifier, quantization, device)
-
-    parallelize(model, config, materialize=materialize)
-    state_of(model).weights_from = str(path)
-    load_side_state(model, root, verifier)
-    model.eval()
-    return model
