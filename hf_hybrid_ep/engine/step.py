@@ -1,7 +1,7 @@
 """The per-step runtime of a parallelized model, around what the user's loop does.
 
-* before a forward that will be differentiated: the gradient buffers are attached (autograd then
-  accumulates in place);
+* before a forward that will be differentiated: the buckets follow a changed set of trainable parameters,
+  and the gradient buffers are attached (autograd then accumulates in place);
 * after a forward under ``no_grad`` (evaluation, ``generate``): the ranks agree on the forward's inputs;
 * a backward: :class:`~hf_hybrid_ep.engine.backward.BackwardSequence`;
 * after ``optimizer.step()``: :func:`after_optimizer_step`.
@@ -19,10 +19,13 @@ from .state import state_of
 
 
 def before_forward(model: nn.Module, args) -> None:
-    """Attach the gradient buffers before a forward that will be differentiated (whose gradients the next
-    optimizer step's non-finite check decides on anew)."""
+    """Before a forward that will be differentiated (whose gradients the next optimizer step's non-finite
+    check decides on anew): buckets and hooks follow a changed set of trainable parameters, and the gradient
+    buffers are attached."""
     if torch.is_grad_enabled():
-        state_of(model).reducer.attach_grads()
+        state = state_of(model)
+        state.backward.follow_trainable()
+        state.reducer.attach_grads()
         new_gradients(model)
 
 

@@ -1,0 +1,24 @@
+"""The reducer's work per gradient hook does not grow with the model: a backward costs O(parameters).
+
+Counted in executed library lines (:mod:`work_counting`), not timed: from 2 to 8 decoder layers the parameters
+grow 3.6×, and the lines per parameter of a backward, of its reduction and of a forward must stay level (a pass
+over every parameter in each hook would multiply the reduction's lines per parameter by ~3.6).
+"""
+
+from __future__ import annotations
+
+import dist_cases as cases
+import pytest
+
+SHALLOW, DEEP = 2, 8
+GROWTH = 1.15  # lines per parameter may grow this much from SHALLOW to DEEP (fixed per-step work thins out)
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["dp2xep1", "dp1xep2"])
+def test_work_per_parameter_is_independent_of_depth(pools, layout):
+    for r in pools(2).run(cases.reducer_work, "qwen3_moe", *layout, [SHALLOW, DEEP]):
+        shallow, deep = r[SHALLOW], r[DEEP]
+        assert deep["parameters"] > 3 * shallow["parameters"], r
+        for key in ("reduction_lines", "backward_lines", "forward_lines"):
+            per_shallow, per_deep = (d[key] / d["parameters"] for d in (shallow, deep))
+            assert per_deep <= GROWTH * per_shallow, (key, per_shallow, per_deep, r)
