@@ -52,12 +52,13 @@ def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
     if state.shadows is not None:
         wait_for_parameters(model)  # the shadows' weights are read from the updated parameters
         counts = state.shadows.step_counts()  # before reduce_step_loads resets the step's counters
-    loads = reduce_step_loads(state.layers, state.mesh, state.optimizer_steps)  # world totals of the step
+    loads, on_device = reduce_step_loads(state.layers, state.mesh, state.optimizer_steps)  # world totals of the step
     if state.rebalancer is not None:
         state.rebalancer.record({layer.name: t for layer, t in zip(state.layers, loads, strict=True)})
-    for layer, totals in zip(state.layers, loads, strict=True):
+    for layer, totals in zip(state.layers, on_device, strict=True):
         if layer.controls is not None:
-            layer.controls.after_step(totals[: layer.num_experts], state.config)
+            layer.controls.after_step(totals[: layer.num_experts].to(layer.controls.ep_rank_of_expert.device),
+                                      state.config)
     if state.rebalancer is not None and state.rebalancer.due(state.optimizer_steps) is not None:
         optimizer = rebalancing_optimizer(state, optimizer)
     if state.rebalancer is not None and state.rebalancer.after_step(state.optimizer_steps, optimizer) is not None:

@@ -72,11 +72,12 @@ class ExpertHolding:
     experts: list[int]
 
     def norm_weight(self) -> torch.Tensor:
-        """``[S]`` float64: 1 / (ranks holding the slot's expert), so a world-wide sum counts each expert once."""
+        """``[S]`` float64 on the parameter's device: 1 / (ranks holding the slot's expert), so a world-wide sum
+        counts each expert once (made once per layout; the norm reads it every step, with no host copy)."""
         weight = torch.empty(len(self.experts), dtype=torch.float64)
         for ranks, slots in self.homes:
             weight[slots] = 1.0 / len(ranks)
-        return weight
+        return weight.to(self.param.device)
 
 
 @dataclass
@@ -457,7 +458,7 @@ class GradientReducer:
                 partial_sum += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type).to(device)
             elif g.numel():
                 per_slot = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1).double()
-                partial_sum += (per_slot.pow(norm_type) * weight.to(per_slot.device)).sum().to(device)
+                partial_sum += (per_slot.pow(norm_type) * weight).sum().to(device)
         if self.mesh.world_group is not None:
             with watched("all_reduce of the global gradient norm", self.mesh.world_group):
                 dist.all_reduce(partial_sum, group=self.mesh.world_group)

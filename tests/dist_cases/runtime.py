@@ -1,4 +1,5 @@
-"""The runtime's own cost, counted: the reducer's work per gradient hook as the model deepens."""
+"""The runtime's own cost, counted: the reducer's work per gradient hook as the model deepens, and the host
+tensors a training step would copy to the device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from work_counting import LineCounter
 
 import hf_hybrid_ep as hep
 
-from .common import BATCH_PER_RANK, SEQ
+from .common import ADAM_EPS, BATCH_PER_RANK, SEQ, _build, _global_inputs, _rank_slice, _skew_routers
 
 # the files a gradient's hook and the end-of-backward callback run in
 REDUCTION_FILES = ("parallel/grads.py", "parallel/buckets.py", "engine/backward.py")
@@ -39,4 +40,52 @@ def reducer_work(model_type: str, dp: int, ep: int, depths: list[int]) -> dict:
             "backward_lines": backward.total(),
             "reduction_lines": sum(backward.total(f) for f in REDUCTION_FILES),
         }
+    return out
+
+
+def host_copies(model_type: str, dp: int, ep: int, steps: int, skew: bool = False, **config) -> dict:
+    """``steps`` training steps (forward, backward, clip, optimizer step, ``after_optimizer_step``) under
+    :class:`host_copies.HostCopies`, which tracks host tensors from ``parallelize`` on. Returns its findings per
+    phase (``"step N"``, ``"after_optimizer_step N"``, ``"rebalance N"`` when experts moved), the rebalances
+    (step, bytes sent) and the largest move of a selection bias in one step."""
+    from host_copies import HostCopies
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build(model_type, 4)
+    if skew:
+        _skew_routers(model, [0], 2.0)
+    mode = HostCopies()
+    with mode:
+        hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, **config))
+        state = hep.state_of(model)
+        biases, bias_moved = _biases(state), 0.0
+        optimizer = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3, eps=ADAM_EPS)
+        for step in range(steps):
+            batch = _rank_slice(_global_inputs(ref, world, seed=step), rank)
+            mode.phase = f"step {step}"
+            model(**batch).loss.backward()
+            hep.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            moved = 0 if state.rebalancer is None else len(state.rebalancer.events)
+            mode.phase = f"after_optimizer_step {step}"
+            hep.after_optimizer_step(model, optimizer)
+            if state.rebalancer is not None and len(state.rebalancer.events) > moved:
+                mode.found[f"rebalance {step}"] = mode.found.pop(mode.phase, {})
+            mode.phase = None
+            previous, biases = biases, _biases(state)
+            bias_moved = max([bias_moved] + [float((a - b).abs().max()) for a, b in zip(biases, previous, strict=True)])
+    return {"found": {k: v for k, v in mode.found.items() if v},
+            "rebalances": [] if state.rebalancer is None else [(e.step, e.bytes_sent) for e in state.rebalancer.events],
+            "bias_moved": bias_moved}
+
+
+def _biases(state) -> list[torch.Tensor]:
+    """Every layer's selection bias (or its router's native correction bias), copied to the host."""
+    out = []
+    for layer in state.layers:
+        c = layer.controls
+        if c is not None:
+            bias = c.selection_bias if c.selection_bias is not None else c.router.e_score_correction_bias
+            out.append(bias.detach().cpu().clone())
     return out
