@@ -4,7 +4,8 @@ The same tiny Qwen3-MoE (built from its config, deeper and deeper) runs forward 
 (``parallelize``: dense gradients averaged over the world, each expert's over the ranks holding it) and under
 torch DDP on an unsharded copy. The gradients are compared first (they must agree to round-off), then the arms
 are timed in interleaved repeats (A, B, B, A, ...) so that drift of a shared machine hits both alike; the
-medians and their ratio are reported, with the load average around the run.
+medians and the median of the per-repeat ratios are reported, on two clocks — wall time, and the CPU time of
+the rank's process (all its threads; far steadier than wall time on a loaded machine) — with the load average.
 
 Each arm is also timed with reduction off (``hep.no_sync`` / ``DDP.no_sync``): the difference is what the
 reduction costs on top of the backward (hooks, bucket bookkeeping, collectives), and divided by the number of
@@ -44,11 +45,12 @@ class BenchArguments:
     layers: str = field(default="8,24,48,96", metadata={"help": "comma-separated depths"})
     ep: int = field(default=1, metadata={"help": "EP degree of the hybrid arm (world = dp × ep, dp = world / ep)"})
     repeats: int = field(default=7, metadata={"help": "interleaved repeats; each times --iters forward + backward"})
-    iters: int = field(default=3)
-    hidden: int = field(default=32)
-    num_experts: int = field(default=4)
-    batch_per_rank: int = field(default=2)
-    seq_len: int = field(default=32)
+    iters: int = field(default=1, metadata={"help": "forward + backward per repeat, arm and mode (median taken)"})
+    # ~15 ms of CPU per layer forward + backward in one process: the per-layer cost of the issue's measurement
+    hidden: int = field(default=128)
+    num_experts: int = field(default=8)
+    batch_per_rank: int = field(default=4)
+    seq_len: int = field(default=128)
     json: str = field(default="benchmarks/results/bench_reducer_depth.json")
 
 
@@ -57,7 +59,7 @@ def build(args: BenchArguments, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
         vocab_size=128, hidden_size=args.hidden, intermediate_size=2 * args.hidden, moe_intermediate_size=args.hidden,
-        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=args.hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
         num_experts=args.num_experts, num_experts_per_tok=2, norm_topk_prob=True, attn_implementation="sdpa",
     )
     return AutoModelForCausalLM.from_config(config)
@@ -71,7 +73,8 @@ class Arm:
     model: torch.nn.Module
     no_sync: object  # () -> context manager
     reduced: int  # parameters whose gradients it reduces
-    times: dict[str, list[float]] = field(default_factory=lambda: {"reducing": [], "no_sync": []})
+    # per repeat: (wall seconds, CPU seconds of this process, all its threads), reducing and not
+    times: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: {"reducing": [], "no_sync": []})
 
 
 def arms_for(args: BenchArguments, layers: int, world: int) -> list[Arm]:
@@ -91,14 +94,16 @@ def batch(args: BenchArguments, rank: int) -> torch.Tensor:
     return torch.randint(0, 128, (args.batch_per_rank, args.seq_len), generator=g)
 
 
-def fwd_bwd(arm: Arm, ids: torch.Tensor, reducing: bool) -> float:
-    """Seconds of one forward + backward (every rank starts together; gradients cleared outside the time)."""
+def fwd_bwd(arm: Arm, ids: torch.Tensor, reducing: bool) -> tuple[float, float]:
+    """Wall and CPU seconds of one forward + backward (every rank starts together; gradients cleared outside
+    the time). The CPU time (``time.process_time``: every thread of the process, gloo's included) is what the
+    rank itself spent: on a loaded machine it drifts far less than the wall time, which waits for a core."""
     arm.model.zero_grad(set_to_none=True)
     dist.barrier()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     with contextlib.nullcontext() if reducing else arm.no_sync():
         arm.model(input_ids=ids, labels=ids).loss.backward()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def compare_gradients(arms: list[Arm], ids: torch.Tensor) -> float:
@@ -128,29 +133,48 @@ def measure(args: BenchArguments, arms: list[Arm], ids: torch.Tensor) -> None:
         fwd_bwd(arm, ids, False)
     for r in range(args.repeats):
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            for mode in ("reducing", "no_sync"):
-                arm.times[mode].append(statistics.median(fwd_bwd(arm, ids, mode == "reducing")
-                                                         for _ in range(args.iters)))
+            for mode in ("reducing", "no_sync") if r % 2 == 0 else ("no_sync", "reducing"):
+                runs = [fwd_bwd(arm, ids, mode == "reducing") for _ in range(args.iters)]
+                arm.times[mode].append(tuple(statistics.median(x) for x in zip(*runs, strict=True)))
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    """Median over repeats of ``a / b`` (a slow repeat slows both sides of each ratio)."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def summary(arms: list[Arm]) -> dict:
+    """Per arm and clock (``wall``, ``cpu``): medians in ms, the reduction's cost (reducing − no_sync) per
+    reduced parameter in µs, and the ratios to DDP, reducing and not (the latter: the layers' own cost)."""
     ddp = arms[-1]
     out = {}
     for arm in arms:
-        red, off = statistics.median(arm.times["reducing"]), statistics.median(arm.times["no_sync"])
-        # per repeat, so that a slow repeat slows both sides of the ratio
-        ratios = [a / b for a, b in zip(arm.times["reducing"], ddp.times["reducing"], strict=True)]
-        out[arm.name] = {
-            "reduced_parameters": arm.reduced,
-            "fwd_bwd_ms": red * 1e3,
-            "fwd_bwd_no_sync_ms": off * 1e3,
-            "reduction_ms": (red - off) * 1e3,
-            "reduction_us_per_parameter": (red - off) / arm.reduced * 1e6,
-            "vs_ddp_median_of_ratios": statistics.median(ratios),
-            "vs_ddp_ratio_of_medians": red / statistics.median(ddp.times["reducing"]),
-            "times_ms": {k: [t * 1e3 for t in v] for k, v in arm.times.items()},
-        }
+        entry: dict = {"reduced_parameters": arm.reduced}
+        for c, clock in enumerate(("wall", "cpu")):
+            red = [t[c] for t in arm.times["reducing"]]
+            off = [t[c] for t in arm.times["no_sync"]]
+            entry[clock] = {
+                "fwd_bwd_ms": statistics.median(red) * 1e3,
+                "fwd_bwd_no_sync_ms": statistics.median(off) * 1e3,
+                "reduction_us_per_parameter": (statistics.median(red) - statistics.median(off)) / arm.reduced * 1e6,
+                "vs_ddp": _ratio(red, [t[c] for t in ddp.times["reducing"]]),
+                "vs_ddp_no_sync": _ratio(off, [t[c] for t in ddp.times["no_sync"]]),
+                "samples_ms": {"reducing": [x * 1e3 for x in red], "no_sync": [x * 1e3 for x in off]},
+            }
+        out[arm.name] = entry
     return out
+
+
+def _table(report: dict) -> str:
+    lines = ["| layers | parameters | arm | wall ms | ours / DDP (wall) | CPU ms | ours / DDP (CPU) | "
+             "no_sync / DDP's (CPU) | reduction µs/param (CPU) |", "|---|---|---|---|---|---|---|---|---|"]
+    for layers, d in report["depths"].items():
+        for name, a in d["arms"].items():
+            w, c = a["wall"], a["cpu"]
+            lines.append(f"| {layers} | {a['reduced_parameters']} | {name} | {w['fwd_bwd_ms']:.0f} | {w['vs_ddp']:.2f} | "
+                         f"{c['fwd_bwd_ms']:.0f} | {c['vs_ddp']:.2f} | {c['vs_ddp_no_sync']:.2f} | "
+                         f"{c['reduction_us_per_parameter']:.0f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -166,25 +190,17 @@ def main() -> None:
         arms = arms_for(args, layers, world)
         grad_rel = compare_gradients(arms, ids)
         measure(args, arms, ids)
-        report["depths"][layers] = {"grad_max_rel_diff": grad_rel, "arms": summary(arms)}
+        report["depths"][layers] = {"grad_max_rel_diff": grad_rel, "load_avg": os.getloadavg(), "arms": summary(arms)}
         if rank == 0:
-            print(f"{layers} layers: grad rel diff {grad_rel:.1e}; " + "; ".join(
-                f"{name} {s['fwd_bwd_ms']:.0f} ms ({s['vs_ddp_median_of_ratios']:.2f}x DDP, reduction "
-                f"{s['reduction_us_per_parameter']:.0f} us/param)" for name, s in report["depths"][layers]["arms"].items()),
-                flush=True)
+            print(f"{layers} layers: gradients vs DDP max rel diff {grad_rel:.1e}; " + "; ".join(
+                f"{name} {a['wall']['vs_ddp']:.2f}x wall, {a['cpu']['vs_ddp']:.2f}x CPU"
+                for name, a in report["depths"][layers]["arms"].items()), flush=True)
         del arms
     report["load_avg_end"] = os.getloadavg()
     if rank == 0:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print("| layers | parameters | ours ms | DDP ms | ours / DDP | reduction µs/param ours | DDP |")
-        print("|---|---|---|---|---|---|---|")
-        for layers, d in report["depths"].items():
-            a = d["arms"]
-            ours = next(v for k, v in a.items() if k.startswith("ours"))
-            print(f"| {layers} | {ours['reduced_parameters']} | {ours['fwd_bwd_ms']:.0f} | {a['ddp']['fwd_bwd_ms']:.0f} | "
-                  f"{ours['vs_ddp_median_of_ratios']:.2f} | {ours['reduction_us_per_parameter']:.0f} | "
-                  f"{a['ddp']['reduction_us_per_parameter']:.0f} |")
+        print(_table(report))
     dist.barrier()
     dist.destroy_process_group()
 
