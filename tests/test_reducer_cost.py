@@ -23,3 +23,14 @@ def test_work_per_parameter_is_independent_of_depth(pools, layout):
         for key in ("reduction_lines", "backward_lines", "forward_lines"):
             per_shallow, per_deep = (d[key] / d["parameters"] for d in (shallow, deep))
             assert per_deep <= GROWTH * per_shallow, (key, per_shallow, per_deep, r)
+
+
+def test_buckets_follow_the_trainable_set_between_steps(pools):
+    # The check is once per differentiated forward, not per hook: a parameter frozen after parallelize gets
+    # no gradient and no bucket, one trained again is hooked and reduced during backward, and a ZeRO-1
+    # optimizer refuses the change.
+    for r in pools(2).run(cases.trainable_set_changes, 2, 1):
+        assert max(r["grad_rel"]) <= cases.REL_TOL, r
+        assert r["frozen_with_grad"] == [[], [], []], r
+        assert all(n > 0 for n in r["launched_in_backward"]), r
+        assert "trainable parameters changed after the ZeRO-1 optimizer was built" in r["zero1_refusal"], r

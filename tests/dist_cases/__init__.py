@@ -84,7 +84,7 @@ from .placement import (
     routing_metrics,
     save_and_reload_placement,
 )
-from .runtime import host_copies, reducer_work
+from .runtime import host_copies, reducer_work, trainable_set_changes
 from .training import (
     autocast_parity,
     bucket_launch_order,
@@ -129,6 +129,7 @@ __all__ = [
     # runtime
     "host_copies",
     "reducer_work",
+    "trainable_set_changes",
     # inference
     "forward_parity",
     "generate_uneven",

@@ -10,7 +10,17 @@ from work_counting import LineCounter
 
 import hf_hybrid_ep as hep
 
-from .common import ADAM_EPS, BATCH_PER_RANK, SEQ, _build, _global_inputs, _rank_slice, _skew_routers
+from .common import (
+    ADAM_EPS,
+    BATCH_PER_RANK,
+    SEQ,
+    _build,
+    _global_inputs,
+    _local_view,
+    _rank_slice,
+    _rel,
+    _skew_routers,
+)
 
 # the files a gradient's hook and the end-of-backward callback run in
 REDUCTION_FILES = ("parallel/grads.py", "parallel/buckets.py", "engine/backward.py")
@@ -88,4 +98,41 @@ def _biases(state) -> list[torch.Tensor]:
         if c is not None:
             bias = c.selection_bias if c.selection_bias is not None else c.router.e_score_correction_bias
             out.append(bias.detach().cpu().clone())
+    return out
+
+
+def trainable_set_changes(dp: int, ep: int) -> dict:
+    """``requires_grad`` changed after ``parallelize``, between steps: the embedding frozen, then trained again
+    (with one expert parameter frozen meanwhile). Per backward, the largest gradient difference to the unsharded
+    reference on the global batch (the same parameters frozen), the frozen parameters left with a gradient, and
+    the buckets launched by gradient hooks; then whether a ZeRO-1 optimizer refuses a change, and its message."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build("qwen3_moe", 4)
+    hep.parallelize(model, hep.HybridEPConfig(dp_degree=dp, ep_degree=ep, bucket_size_mb=0.004))
+    reducer = hep.state_of(model).reducer
+    expert = next(n for n, _ in model.named_parameters() if "experts" in n)
+    frozen_by_step = [{"model.embed_tokens.weight"}, {expert}, set()]
+    out = {"grad_rel": [], "frozen_with_grad": [], "launched_in_backward": []}
+    for step, frozen in enumerate(frozen_by_step):
+        for m in (model, ref):
+            for n, p in m.named_parameters():
+                p.requires_grad_(n not in frozen)
+            m.zero_grad(set_to_none=True)
+        batch = _global_inputs(ref, world, seed=step)
+        launched = reducer.stats.buckets_launched_in_backward
+        model(**_rank_slice(batch, rank)).loss.backward()
+        ref(**batch).loss.backward()
+        want = dict(ref.named_parameters())
+        out["grad_rel"].append(max(_rel(p.grad, _local_view(model, want[n].grad, p))
+                                   for n, p in model.named_parameters() if p.requires_grad))
+        out["frozen_with_grad"].append([n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None])
+        out["launched_in_backward"].append(reducer.stats.buckets_launched_in_backward - launched)
+    optimizer = hep.shard_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    try:
+        model(**_rank_slice(_global_inputs(ref, world, seed=9), rank)).loss.backward()
+        out["zero1_refusal"] = ""
+    except RuntimeError as err:
+        out["zero1_refusal"] = str(err)
+    del optimizer
     return out
