@@ -53,9 +53,11 @@ def reducer_work(model_type: str, dp: int, ep: int, depths: list[int]) -> dict:
     return out
 
 
-def host_copies(model_type: str, dp: int, ep: int, steps: int, skew: bool = False, **config) -> dict:
+def host_copies(model_type: str, dp: int, ep: int, steps: int, skew: bool = False, freeze: list[int] | None = None,
+                **config) -> dict:
     """``steps`` training steps (forward, backward, clip, optimizer step, ``after_optimizer_step``) under
-    :class:`host_copies.HostCopies`, which tracks host tensors from ``parallelize`` on. Returns its findings per
+    :class:`host_copies.HostCopies`, which tracks host tensors from ``parallelize`` on (``freeze``: these experts
+    frozen from the second step, :class:`hf_hybrid_ep.ExpertFreezer`). Returns its findings per
     phase (``"step N"``, ``"after_optimizer_step N"``, ``"rebalance N"`` when experts moved), the rebalances
     (step, bytes sent) and the largest move of a selection bias in one step."""
     from host_copies import HostCopies
@@ -70,6 +72,8 @@ def host_copies(model_type: str, dp: int, ep: int, steps: int, skew: bool = Fals
         state = hep.state_of(model)
         biases, bias_moved = _biases(state), 0.0
         optimizer = hep.make_optimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3, eps=ADAM_EPS)
+        if freeze is not None:
+            hep.ExpertFreezer(model, optimizer, freeze, from_step=1)
         for step in range(steps):
             batch = _rank_slice(_global_inputs(ref, world, seed=step), rank)
             mode.phase = f"step {step}"
