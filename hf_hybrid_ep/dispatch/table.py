@@ -132,6 +132,14 @@ class PlacementTable:
         blob = json.dumps([self.num_experts, [list(r) for r in self.rows]]).encode()
         return hashlib.sha1(blob).hexdigest()[:16]
 
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(replica ranks [E, R], replica slots [E, R], replicas [E])`` on ``device``, copied there once (the
+        layer asks when it is placed, so that no forward copies them)."""
+        if device not in self._on_device:
+            self._on_device[device] = tuple(t.to(device) for t in (self._replica_rank, self._replica_slot,
+                                                                   self._num_replicas))
+        return self._on_device[device]
+
     def route(self, expert_ids: torch.Tensor, src_ep_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Destination EP rank and local slot for each routed (token, k) pair.
 
@@ -143,10 +151,7 @@ class PlacementTable:
             ``(dest_rank [N], dest_slot [N])``, int64 on ``expert_ids.device``.
         """
         device = expert_ids.device
-        if device not in self._on_device:  # copied to each device once, not on every call
-            self._on_device[device] = tuple(t.to(device) for t in (self._replica_rank, self._replica_slot,
-                                                                   self._num_replicas))
-        ranks, slots, counts = self._on_device[device]
+        ranks, slots, counts = self.on(device)
         if ranks.size(1) == 1:
             return ranks[expert_ids, 0], slots[expert_ids, 0]
         num_rep = counts[expert_ids]

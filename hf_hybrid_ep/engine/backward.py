@@ -42,21 +42,32 @@ class BackwardSequence:
         self.enabled = True
         self.gradient_sync: Callable[[], bool] | None = None
         self._running = False
-        # the parameters hooked, held so that their ids cannot be reused by new ones while they are listed
-        self._watched: dict[int, nn.Parameter] = {}
+        # the parameters hooked and their hooks' handles (the parameters held so that their ids cannot be reused
+        # by new ones while they are listed)
+        self._watched: dict[int, tuple[nn.Parameter, object]] = {}
         self.watch(reducer.parameters())
 
     def watch(self, params: Iterable[nn.Parameter]) -> None:
-        """Hook ``params`` (the reducer's parameters) not hooked yet — new ones after online rebalancing replaced
-        some — and forget the ones no longer among them."""
+        """Hook ``params`` (the reducer's parameters) that are trainable and not hooked yet — new ones after
+        online rebalancing replaced some, or after ``requires_grad`` changed — and unhook the others."""
         watched = {}
         for p in params:
             if not p.requires_grad or is_dtensor(p):  # FSDP2 reduces its own
                 continue
-            if self._watched.get(id(p)) is not p:
-                p.register_post_accumulate_grad_hook(self._on_gradient)
-            watched[id(p)] = p
+            held = self._watched.pop(id(p), None)
+            if held is None or held[0] is not p:
+                held = (p, p.register_post_accumulate_grad_hook(self._on_gradient))
+            watched[id(p)] = held
+        for _, handle in self._watched.values():
+            handle.remove()
         self._watched = watched
+
+    def follow_trainable(self) -> None:
+        """Before a differentiated forward (and before a ZeRO-1 optimizer shards the buckets): if the set of
+        trainable parameters changed, the reducer rebuilds its buckets and the hooks follow. One read of every
+        parameter's ``requires_grad``; the hooks themselves check nothing."""
+        if self.reducer.trainable_changed():
+            self.watch(self.reducer.parameters())
 
     def reducing(self) -> bool:
         """Whether this backward reduces gradients."""

@@ -2,7 +2,9 @@
 
 A frozen expert's slice of every fused expert parameter stays bit for bit unchanged, and so does its
 optimizer state: the gradient rows are zeroed before ``optimizer.step()`` and the parameter and
-state rows are restored after it (weight decay and momentum would move them otherwise).
+state rows are restored after it (weight decay and momentum would move them otherwise). The rows' index
+tensors are made on the parameters' device once per frozen set and layout (at construction for a list of ids;
+when freezing starts for ``"least_used:N"``; after a rebalance moves experts), not at every step.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ class ExpertFreezer:
         self.steps_taken = 0
         self.frozen: dict[str, list[int]] | None = None
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._validate()
+        if not isinstance(experts, str):  # known now: the rows' indices are made here, outside any step
+            self.frozen = self._resolve()
+            list(self._rows())
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _validate(self) -> None:
@@ -56,11 +62,17 @@ class ExpertFreezer:
         """(parameter, local slots) for every frozen expert this rank holds."""
         for layer in state_of(self.model).layers:
             frozen = set(self.frozen.get(layer.name, []))
-            slots = [s for s, e in enumerate(layer.local_experts) if e in frozen]
+            slots = tuple(s for s, e in enumerate(layer.local_experts) if e in frozen)
             if slots:
-                index = torch.tensor(slots, dtype=torch.long)
                 for p in layer.slot_parameters():
-                    yield p, index.to(p.device)
+                    yield p, self._index(slots, p.device)
+
+    def _index(self, slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``[len(slots)]`` int64 on ``device``, made once for these slots."""
+        key = (slots, device)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(slots, dtype=torch.long, device=device)
+        return self._indices[key]
 
     def _pre(self, optimizer, args, kwargs) -> None:
         self._saved = []

@@ -20,7 +20,10 @@ def shard_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer]
     ``params`` are the model's parameters or param groups, as for the optimizer class itself. Call on
     every rank, after :func:`hf_hybrid_ep.parallelize`; the model's reducer then reduce-scatters.
     """
-    reducer = state_of(model).reducer
+    state = state_of(model)
+    reducer = state.reducer
+    if reducer.sharding is None:
+        state.backward.follow_trainable()  # shard the buckets of the parameters trainable now
     sharding = reducer.sharding if reducer.sharding is not None else ZeroSharding(reducer, model)
     return sharded_class(optimizer_cls)(sharding, params, *args, **kwargs)
 

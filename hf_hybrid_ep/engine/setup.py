@@ -114,6 +114,8 @@ def parallelize(
     if materialize is not None:
         agree_on_failure(mesh, materialize, model, layers)
     place_module(model, device)  # after sharding: only this rank's experts reach the device
+    for layer in layers:
+        layer.place_routing()
     _apply_router_controls(model=model, config=config, layers=layers, mesh=mesh)
     if config.dense_sharding == "fsdp":
         _fully_shard_dense(model, layers, mesh)

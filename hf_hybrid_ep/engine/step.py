@@ -1,7 +1,7 @@
 """The per-step runtime of a parallelized model, around what the user's loop does.
 
-* before a forward that will be differentiated: the gradient buffers are attached (autograd then
-  accumulates in place);
+* before a forward that will be differentiated: the buckets follow a changed set of trainable parameters,
+  and the gradient buffers are attached (autograd then accumulates in place);
 * after a forward under ``no_grad`` (evaluation, ``generate``): the ranks agree on the forward's inputs;
 * a backward: :class:`~hf_hybrid_ep.engine.backward.BackwardSequence`;
 * after ``optimizer.step()``: :func:`after_optimizer_step`.
@@ -20,13 +20,15 @@ from .summary import log_startup_summary
 
 
 def before_forward(model: nn.Module, args) -> None:
-    """Attach the gradient buffers before a forward that will be differentiated (whose gradients the next
-    optimizer step's non-finite check decides on anew); the first one logs the start-up summary unless the Trainer
-    has (:mod:`hf_hybrid_ep.engine.summary`)."""
+    """Before a forward that will be differentiated (whose gradients the next optimizer step's non-finite
+    check decides on anew): buckets and hooks follow a changed set of trainable parameters, and the gradient
+    buffers are attached; the first one logs the start-up summary unless the Trainer has
+    (:mod:`hf_hybrid_ep.engine.summary`)."""
     if torch.is_grad_enabled():
         state = state_of(model)
         if not state.summary_logged:
             log_startup_summary(model)
+        state.backward.follow_trainable()
         state.reducer.attach_grads()
         new_gradients(model)
 
@@ -54,12 +56,13 @@ def after_optimizer_step(model: nn.Module, optimizer=None) -> None:
     if state.shadows is not None:
         wait_for_parameters(model)  # the shadows' weights are read from the updated parameters
         counts = state.shadows.step_counts()  # before reduce_step_loads resets the step's counters
-    loads = reduce_step_loads(state.layers, state.mesh, state.optimizer_steps)  # world totals of the step
+    loads, on_device = reduce_step_loads(state.layers, state.mesh, state.optimizer_steps)  # world totals of the step
     if state.rebalancer is not None:
         state.rebalancer.record({layer.name: t for layer, t in zip(state.layers, loads, strict=True)})
-    for layer, totals in zip(state.layers, loads, strict=True):
+    for layer, totals in zip(state.layers, on_device, strict=True):
         if layer.controls is not None:
-            layer.controls.after_step(totals[: layer.num_experts], state.config)
+            layer.controls.after_step(totals[: layer.num_experts].to(layer.controls.ep_rank_of_expert.device),
+                                      state.config)
     if state.rebalancer is not None and state.rebalancer.due(state.optimizer_steps) is not None:
         optimizer = rebalancing_optimizer(state, optimizer)
     if state.rebalancer is not None and state.rebalancer.after_step(state.optimizer_steps, optimizer) is not None:

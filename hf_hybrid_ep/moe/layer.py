@@ -127,6 +127,12 @@ class ShardedExperts:
         self.local_experts = table.local_experts(self.mesh.ep_rank)
         self.module.num_experts = len(self.local_experts)
         self.dispatcher = self._make_dispatcher(table)
+        self.place_routing()
+
+    def place_routing(self) -> None:
+        """Copy the routing table to the experts' device now (``parallelize`` calls this once the model is
+        placed; every table change does), so that no forward copies it there."""
+        self.table.on(self.expert_parameters()[0].device)
 
     def use_layout(self, mesh: HybridMesh, table: PlacementTable, options: EPLayerOptions) -> None:
         """Route over ``mesh``'s EP groups by ``table`` from now on, with ``options`` (its counts messages are as
@@ -136,6 +142,7 @@ class ShardedExperts:
         self.local_experts = table.local_experts(mesh.ep_rank)
         self.module.num_experts = len(self.local_experts)
         self.dispatcher = self._make_dispatcher(table)
+        self.place_routing()
 
     @torch.no_grad()
     def gather_full(self, pname: str) -> torch.Tensor:

@@ -34,11 +34,14 @@ class ExpertLoad:
     ``[E+4 : E+4+E²]`` the pair counts ``C[a·E + b]`` (``a < b``) of tokens that chose both a and b (kept
     assignments only), reduced with the rest in one all-reduce.
 
+    ``step`` lives on ``device`` (where the routing runs), the world totals on the host (read once a step).
+
     Attributes:
         router_name / router / top_k: the router beside the experts module (``None`` / 0 when none was found).
     """
 
     num_experts: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     router_name: str | None = None
     router: nn.Module | None = None
     top_k: int = 0
@@ -51,13 +54,13 @@ class ExpertLoad:
 
     def __post_init__(self) -> None:
         size = self.num_experts + 4 + (self.num_experts**2 if self.coactivation else 0)
-        self.step = torch.zeros(size, dtype=torch.float64)
+        self.step = torch.zeros(size, dtype=torch.float64, device=self.device)
         self.window = torch.zeros(size, dtype=torch.float64)
         self.last_active_step = torch.zeros(self.num_experts, dtype=torch.long)
         self.total = torch.zeros(self.num_experts, dtype=torch.float64)
 
     def _on(self, device: torch.device) -> torch.Tensor:
-        """The step counters on ``device`` (moved there once; :func:`reduce_step_loads` reads them once a step)."""
+        """The step counters, on ``device`` (where they were made; moved once if the routing runs elsewhere)."""
         if self.step.device != device:
             self.step = self.step.to(device)
         return self.step
@@ -109,7 +112,7 @@ def attach_load_accounting(model: nn.Module, layers: list, coactivation: bool) -
     from .router_rules import find_router
 
     for layer in layers:
-        load = ExpertLoad(layer.num_experts, coactivation=coactivation)
+        load = ExpertLoad(layer.num_experts, layer.expert_parameters()[0].device, coactivation=coactivation)
         found = find_router(model, layer.name, layer.num_experts)
         if found is not None:
             load.router_name, load.router = found
@@ -118,21 +121,23 @@ def attach_load_accounting(model: nn.Module, layers: list, coactivation: bool) -
         layer.load = load
 
 
-def reduce_step_loads(layers: list, mesh: HybridMesh, step: int) -> list[torch.Tensor]:
-    """Once per optimizer step: every layer's step counters summed over the world (one all-reduce), added to
-    its window and totals, then reset. Returns each layer's world counters of the step (host, float64).
-    Collective: call on every rank."""
+def reduce_step_loads(layers: list, mesh: HybridMesh, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Once per optimizer step: every layer's step counters summed over the world (one all-reduce, one host
+    read), added to its window and totals, then reset. Returns each layer's world counters of the step, float64,
+    on the host (what the metrics and the rebalancer read) and on the device (what the router controls update
+    from). Collective: call on every rank."""
     loads = [layer.load for layer in layers]
     device = current_device(mesh)
     stacked = torch.cat([load.step.to(device) for load in loads])
     if mesh.world_group is not None:
         with watched("all_reduce of the step's expert loads", mesh.world_group):
             dist.all_reduce(stacked, group=mesh.world_group)
-    stacked = stacked.cpu()
-    out, offset = [], 0
+    on_host = stacked.cpu()
+    host, on_device, offset = [], [], 0
     for load in loads:
         n = load.step.numel()
-        totals = stacked[offset : offset + n]
+        totals = on_host[offset : offset + n]
+        on_device.append(stacked[offset : offset + n])
         offset += n
         experts = totals[: load.num_experts]
         load.window += totals
@@ -140,5 +145,5 @@ def reduce_step_loads(layers: list, mesh: HybridMesh, step: int) -> list[torch.T
         load.window_steps += 1
         load.last_active_step[experts > 0] = step
         load.step.zero_()
-        out.append(totals)
-    return out
+        host.append(totals)
+    return host, on_device

@@ -23,12 +23,13 @@ from .router_rules import SelectionRule, find_router, match_rule, route
 
 @dataclass
 class RouterControls:
-    """The selection controls of one MoE layer's router.
+    """The selection controls of one MoE layer's router. Every tensor lives on the router's device, from
+    :func:`install_router_controls` on: a forward and an update read and write them there, with no host copy.
 
     Attributes:
         ep_rank_of_expert: ``[E]`` primary EP rank of each expert (the device-load factors act per rank).
         selection_bias: ``[E]`` selection-only bias (routers without a native correction bias).
-        rank_load: ``[ep]`` running estimate of each EP rank's share of the assignments.
+        rank_load: ``[ep]`` float64 running estimate of each EP rank's share of the assignments.
         device_factor: ``[E]`` the device-load adjustment of each expert's selection score.
     """
 
@@ -42,25 +43,26 @@ class RouterControls:
     rank_load: torch.Tensor | None = None
     device_factor: torch.Tensor | None = None
 
-    def selection_adjust(self, device: torch.device) -> torch.Tensor | None:
+    def selection_adjust(self) -> torch.Tensor | None:
         """``[E]`` additive adjustment of selection scores: selection bias and device-load factors."""
-        adjust = None
-        if self.selection_bias is not None:
-            adjust = self.selection_bias.to(device)
+        adjust = self.selection_bias
         if self.rank_load is not None:
-            factor = self.device_factor.to(device)
-            adjust = factor if adjust is None else adjust + factor
+            adjust = self.device_factor if adjust is None else adjust + self.device_factor
         return adjust
 
     def _set_device_factor(self, device_load_factors: float | None) -> None:
         ratio = self.rank_load / self.rank_load.mean()
         self.device_factor = (-((device_load_factors or 0.0) * (ratio - 1.0)))[self.ep_rank_of_expert].float()
 
+    def _per_rank(self, loads: torch.Tensor) -> torch.Tensor:
+        """``[ep]`` float64: ``loads [E]`` summed per primary EP rank."""
+        per_rank = torch.zeros(self.ep_degree, dtype=torch.float64, device=self.ep_rank_of_expert.device)
+        return per_rank.scatter_add_(0, self.ep_rank_of_expert, loads.to(torch.float64))
+
     def after_step(self, loads: torch.Tensor, config: HybridEPConfig) -> None:
-        """Apply one optimizer step's world loads ``[E]``: bias update (``bias_update_rate``) and the running
-        per-rank load estimate (``device_load_factors``)."""
-        if loads.sum() <= 0:
-            return
+        """Apply one optimizer step's world loads ``[E]`` (on the router's device): bias update
+        (``bias_update_rate``) and the running per-rank load estimate (``device_load_factors``). A step without
+        assignments changes nothing (its bias delta is zero, the estimate is kept), decided on the device."""
         if config.bias_update_rate is not None:
             delta = config.bias_update_rate * torch.sign(loads.mean() - loads).float()
             if self.selection_bias is not None:
@@ -70,20 +72,21 @@ class RouterControls:
                     bias = self.router.e_score_correction_bias
                     bias += delta.to(bias.device, bias.dtype)
         if self.rank_load is not None:
-            per_rank = torch.zeros(self.ep_degree, dtype=torch.float64)
-            per_rank.scatter_add_(0, self.ep_rank_of_expert, loads)
-            self.rank_load = 0.9 * self.rank_load + 0.1 * per_rank / per_rank.sum()
+            per_rank = self._per_rank(loads)
+            total = per_rank.sum()
+            self.rank_load = torch.where(total > 0, 0.9 * self.rank_load + 0.1 * per_rank / total, self.rank_load)
             self._set_device_factor(config.device_load_factors)
 
     def remap(self, owner: list[int], total: torch.Tensor, device_load_factors: float | None = None) -> None:
         """A new primary EP rank per expert (online rebalancing): the device-load estimate is re-derived from
         all steps' loads ``total [E]`` under the new owners, and the device factors from it."""
-        self.ep_rank_of_expert = torch.tensor(owner, dtype=torch.long)
+        device = self.ep_rank_of_expert.device
+        self.ep_rank_of_expert = torch.tensor(owner, dtype=torch.long, device=device)
         if self.rank_load is not None:
-            per_rank = torch.zeros(self.ep_degree, dtype=torch.float64)
-            per_rank.scatter_add_(0, self.ep_rank_of_expert, total)
+            per_rank = self._per_rank(total.to(device))
             all_steps = per_rank.sum()
-            self.rank_load = per_rank / all_steps if all_steps > 0 else torch.full_like(per_rank, 1.0 / self.ep_degree)
+            self.rank_load = torch.where(all_steps > 0, per_rank / all_steps,
+                                         torch.full_like(per_rank, 1.0 / self.ep_degree))
             self._set_device_factor(device_load_factors)
 
 
@@ -106,15 +109,16 @@ def install_router_controls(model: nn.Module, layers: list, config: HybridEPConf
                 "bit for bit; router_temperature, device_load_factors, bias_update_rate and "
                 "force_balanced_routing are unavailable for this model"
             )
-        owner = torch.tensor([layer.table.holders(e)[0] for e in range(layer.num_experts)])
+        owner = torch.tensor([layer.table.holders(e)[0] for e in range(layer.num_experts)], device=router.weight.device)
         controls.append(RouterControls(router, rule, int(router.top_k), layer.num_experts, owner,
                                        layer.table.ep_degree))
     for layer, c in zip(layers, controls, strict=True):
+        device = c.ep_rank_of_expert.device
         if config.bias_update_rate is not None and c.rule.kind != "sigmoid_group":
-            c.selection_bias = torch.zeros(layer.num_experts, dtype=torch.float32)
+            c.selection_bias = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)
         if config.device_load_factors:
-            c.rank_load = torch.full((c.ep_degree,), 1.0 / c.ep_degree, dtype=torch.float64)
-            c.device_factor = torch.zeros(layer.num_experts, dtype=torch.float32)
+            c.rank_load = torch.full((c.ep_degree,), 1.0 / c.ep_degree, dtype=torch.float64, device=device)
+            c.device_factor = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)
         c.router.forward = _router_forward(c, config)
         layer.controls = c
 
@@ -124,7 +128,7 @@ def _router_forward(controls: RouterControls, config: HybridEPConfig) -> Callabl
 
     def forward(hidden_states: torch.Tensor):
         if not config.force_balanced_routing:
-            adjust = controls.selection_adjust(hidden_states.device)
+            adjust = controls.selection_adjust()
             return route(rule, router, hidden_states, k, adjust, config.router_temperature)
         logits = rule.logits(router, hidden_states)
         scaled = logits if config.router_temperature is None else logits / config.router_temperature

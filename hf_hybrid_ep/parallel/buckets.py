@@ -71,9 +71,9 @@ class FlatBucket:
     grad_buffer: torch.Tensor | None = None  # [padded] persistent gradient buffer (None: passive bucket)
     param_buffer: torch.Tensor | None = None  # [padded] ZeRO-1 flat parameters
     owned: list[OwnedView] = field(default_factory=list)
+    param_count: int = 0  # distinct parameters among the pieces
     # per-backward state
-    previous: list[FlatBucket] = field(default_factory=list)  # earlier buckets over the same ranks (launch first)
-    waiting: set[int] = field(default_factory=set)  # ids of parameters not yet accumulated
+    pending: int = 0  # parameters whose gradient is not accumulated yet in this backward
     launched: bool = False
     work: object | None = None
     shard_out: torch.Tensor | None = None  # ZeRO-1: this rank's reduced shard while in flight
@@ -210,7 +210,8 @@ def bucket_of(kind: str, ranks: tuple[int, ...], group, rank: int,
     for p, start, length in pieces:
         laid.append(Piece(p, start, length, offset))
         offset += length
-    return FlatBucket(kind, ranks, group, ranks.index(rank), laid, offset)
+    return FlatBucket(kind, ranks, group, ranks.index(rank), laid, offset,
+                      param_count=len({id(p) for p, _, _ in pieces}))
 
 
 def runs(slots: list[int]) -> list[tuple[int, int]]:

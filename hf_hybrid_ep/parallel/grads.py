@@ -72,11 +72,12 @@ class ExpertHolding:
     experts: list[int]
 
     def norm_weight(self) -> torch.Tensor:
-        """``[S]`` float64: 1 / (ranks holding the slot's expert), so a world-wide sum counts each expert once."""
+        """``[S]`` float64 on the parameter's device: 1 / (ranks holding the slot's expert), so a world-wide sum
+        counts each expert once (made once per layout; the norm reads it every step, with no host copy)."""
         weight = torch.empty(len(self.experts), dtype=torch.float64)
         for ranks, slots in self.homes:
             weight[slots] = 1.0 / len(ranks)
-        return weight
+        return weight.to(self.param.device)
 
 
 @dataclass
@@ -132,11 +133,15 @@ class GradientReducer:
         self.sharding = None
         self._dense_ids = {id(p) for p in dense}
         self._set_holdings(holdings, holder_sets)
-        self._built: list[FlatBucket] = []
-        self._built_for: tuple | None = None
-        self._buckets_of: dict[int, list[FlatBucket]] = {}
         self._holding = False
         self._first_ready: float | None = None
+        # per backward: its number, the number of the last backward each parameter was ready in, and per set of
+        # ranks the active buckets in bucket order with the index of the first one not launched yet
+        self._backward = 0
+        self._ready_in: dict[int, int] = {}
+        self._streams: dict[tuple[int, ...], list[FlatBucket]] = {}
+        self._next: dict[tuple[int, ...], int] = {}
+        self._rebuild()
 
     def _set_holdings(self, holdings: list[ExpertHolding], holder_sets: list[tuple[int, ...]]) -> None:
         """Process groups of the holder sets (made in ``holder_sets`` order), each expert parameter's homes,
@@ -173,26 +178,43 @@ class GradientReducer:
         for p in self.parameters():
             p.grad = None
         self.sharding = None
-        self._built, self._built_for, self._buckets_of = [], None, {}
-        self.buckets()
+        self._rebuild()
 
     # ------------------------------------------------------------------ buckets
     def buckets(self) -> list[FlatBucket]:
-        """The flat buckets (built on first use, rebuilt when the set of trainable parameters changes)."""
-        key = tuple(p.requires_grad for p in self.order)
-        if key != self._built_for:
-            if self.sharding is not None and self._built_for is not None:
-                raise RuntimeError(
-                    "the set of trainable parameters changed after the ZeRO-1 optimizer was built; build the "
-                    "optimizer after setting requires_grad"
-                )
-            self._built = self._build()
-            self._built_for = key
-            self._buckets_of = {}
-            for b in self._built:
-                for p in b.params():
-                    self._buckets_of.setdefault(id(p), []).append(b)
+        """The flat buckets, as last built (:meth:`trainable_changed` rebuilds them)."""
         return self._built
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.order)
+
+    def trainable_changed(self) -> bool:
+        """Rebuild the buckets if the set of trainable parameters (``requires_grad``) changed since they were
+        built; returns whether it did. One read of every parameter's flag: call it at the points where the set
+        may have changed (the engine does before every differentiated forward), never per gradient.
+
+        Raises:
+            RuntimeError: when the set changed after a ZeRO-1 optimizer sharded the buckets.
+        """
+        if self._trainable() == self._built_for:
+            return False
+        if self.sharding is not None:
+            raise RuntimeError(
+                "the set of trainable parameters changed after the ZeRO-1 optimizer was built; build the "
+                "optimizer after setting requires_grad"
+            )
+        self._rebuild()
+        return True
+
+    def _rebuild(self) -> None:
+        """Buckets for the current trainable set, and the buckets of each parameter (what a hook looks up)."""
+        self._built_for = self._trainable()
+        self._built = self._build()
+        self._buckets_of = {}
+        for b in self._built:
+            for p in b.params():
+                self._buckets_of.setdefault(id(p), []).append(b)
+        self._ready_in = {}
 
     def _build(self) -> list[FlatBucket]:
         """Buckets in reverse registration order, one stream per (kind, holder set, dtype), each closed at
@@ -234,9 +256,6 @@ class GradientReducer:
             close(key)
         for i, b in enumerate(out):
             b.position = i
-            # Every earlier bucket over the same ranks, whatever its kind or dtype: buckets that share a
-            # communicator are launched in bucket order on every rank (NCCL pairs collectives by order).
-            b.previous = [o for o in out[:i] if o.ranks == b.ranks]
         return out
 
     def passive(self, bucket: FlatBucket) -> bool:
@@ -259,35 +278,50 @@ class GradientReducer:
     # ------------------------------------------------------------------ one backward
     def begin(self, hold_experts: bool = False) -> None:
         """Arm every bucket for a reducing backward: all its gradients pending, nothing launched. With
-        ``hold_experts`` expert buckets wait for :meth:`launch_remaining` (shadow gradients are still out)."""
+        ``hold_experts`` expert buckets wait for :meth:`launch_remaining` (shadow gradients are still out).
+
+        The active buckets are queued per set of ranks in bucket order, whatever their kind or dtype: buckets
+        that share a communicator are launched in that order on every rank (NCCL pairs collectives by order).
+        """
         self._holding = hold_experts
         self._first_ready = None
-        for b in self.active_buckets():
+        self._backward += 1
+        self._streams = {}
+        for b in self._built:
+            b.pending, b.work, b.launched = b.param_count, None, False
+            if self.passive(b):
+                continue
             if b.grad_buffer is None:
                 b.allocate_grad_buffer()
-            b.waiting = {id(p) for p in b.params()}
-            b.work, b.launched = None, False
+            self._streams.setdefault(b.ranks, []).append(b)
+        self._next = dict.fromkeys(self._streams, 0)
 
     def mark_ready(self, param: torch.Tensor) -> None:
-        """``param``'s gradient is accumulated; with ``overlap``, launch the buckets that became complete."""
+        """``param``'s gradient is accumulated; with ``overlap``, launch the buckets that became complete.
+        Constant work per parameter (its own buckets, and the launches it makes possible)."""
+        if self._ready_in.get(id(param)) == self._backward:
+            return  # accumulated again in the same backward (a recomputed segment): counted once
+        self._ready_in[id(param)] = self._backward
         for b in self._buckets_of.get(id(param), ()):
-            if not b.launched:
-                b.waiting.discard(id(param))
-                if not b.waiting and self._first_ready is None:
+            b.pending -= 1
+            if b.pending == 0 and not self.passive(b):
+                if self._first_ready is None:
                     self._first_ready = time.perf_counter()
-        if self.overlap:
-            self._launch_ready()
+                if self.overlap:
+                    self._launch_ready(b.ranks)
 
-    def _launch_ready(self) -> None:
-        """Launch, per set of ranks, the next buckets in bucket order whose gradients are all accumulated:
+    def _launch_ready(self, ranks: tuple[int, ...]) -> None:
+        """Launch the next buckets over ``ranks``, in bucket order, while their gradients are all accumulated:
         whatever order gradients become ready in, every rank issues one group's collectives in one order."""
-        for b in self.active_buckets():
-            if b.launched or b.waiting or (self._holding and b.kind == "expert"):
-                continue
-            if any(not o.launched for o in b.previous if not self.passive(o)):
-                continue
+        stream, i = self._streams[ranks], self._next[ranks]
+        while i < len(stream):
+            b = stream[i]
+            if b.pending or (self._holding and b.kind == "expert"):
+                break
             self._launch(b, async_op=True)
             self.stats.buckets_launched_in_backward += 1
+            i += 1
+        self._next[ranks] = i
 
     def _group_of(self, b: FlatBucket) -> tuple[dist.ProcessGroup | None, int]:
         if b.kind == "dense":
@@ -349,9 +383,12 @@ class GradientReducer:
         if self._first_ready is not None:
             self.stats.ready_to_end_s += time.perf_counter() - self._first_ready
             self._first_ready = None
-        for p in self.parameters():
-            if p.requires_grad and p.grad is None and not is_dtensor(p):
-                p.grad = torch.zeros_like(p)
+        for b in self._built:
+            if not b.pending:
+                continue
+            for p in b.params():  # only the buckets that still wait: no pass over every parameter
+                if self._ready_in.get(id(p)) != self._backward and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     @torch.no_grad()
     def launch_remaining(self) -> None:
@@ -422,7 +459,7 @@ class GradientReducer:
                 partial_sum += torch.linalg.vector_norm(g, norm_type).double().pow(norm_type).to(device)
             elif g.numel():
                 per_slot = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1).double()
-                partial_sum += (per_slot.pow(norm_type) * weight.to(per_slot.device)).sum().to(device)
+                partial_sum += (per_slot.pow(norm_type) * weight).sum().to(device)
         if self.mesh.world_group is not None:
             with watched("all_reduce of the global gradient norm", self.mesh.world_group):
                 dist.all_reduce(partial_sum, group=self.mesh.world_group)

@@ -19,6 +19,7 @@ module-level function of one of these modules:
 - :mod:`dist_cases.integrations`: the stock Trainer and Accelerate loops.
 - :mod:`dist_cases.lora`: PEFT adapters on dense modules and sharded experts against PEFT in one process.
 - :mod:`dist_cases.trl`: TRL's SFT, DPO and GRPO trainers against the same trainer in one process.
+- :mod:`dist_cases.runtime`: the runtime's own work, counted (the reducer per gradient hook, host→device copies).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ from .placement import (
     routing_metrics,
     save_and_reload_placement,
 )
+from .runtime import host_copies, reducer_work, trainable_set_changes
 from .training import (
     autocast_parity,
     bucket_launch_order,
@@ -133,6 +135,10 @@ __all__ = [
     "nonfinite_steps",
     "replica_check",
     "save_refuses_nonfinite",
+    # runtime
+    "host_copies",
+    "reducer_work",
+    "trainable_set_changes",
     # inference
     "forward_parity",
     "generate_uneven",
